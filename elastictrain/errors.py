@@ -1,0 +1,33 @@
+"""Error hierarchy: every message names what was wrong and what to do about it."""
+
+
+class ElastictrainError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(ElastictrainError):
+    """The job configuration is invalid (a field, a type, or a combination)."""
+
+
+class DataError(ElastictrainError):
+    """The training data cannot be read or does not fit the configuration."""
+
+
+class CheckpointError(ElastictrainError):
+    """A checkpoint cannot be written, found, verified or loaded."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint does not match the configured model or job."""
+
+
+class StorageError(CheckpointError):
+    """Checkpoint storage (a path or an object store) is unreachable or misconfigured."""
+
+
+class RendezvousError(ElastictrainError):
+    """The rendezvous store (etcd) is unreachable, misconfigured, or refused us."""
+
+
+class AgentError(ElastictrainError):
+    """The elastic agent gave up (restart budget spent, crash loop, irrecoverable fault)."""
