@@ -1,0 +1,370 @@
+"""Typed job configuration: dataclasses loaded from YAML, overridden with `--set a.b=c`, validated up front.
+
+Every default lives here, in one place. `load_config` returns a validated `JobConfig` or raises a
+`ConfigError` whose one-line message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from elastictrain.errors import ConfigError
+
+DEFAULT_MODEL_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to build: a transformers model type plus overrides, or a local config directory."""
+
+    name: str = "llama"
+    """A transformers `model_type` (e.g. llama, gpt2, qwen2, mistral) built from its default config."""
+    path: Optional[str] = None
+    """A local directory holding a transformers `config.json`; takes precedence over `name`."""
+    overrides: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL_OVERRIDES))
+    """Config attributes set on top of the base config (sizes, vocab, dropout...)."""
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    """synthetic: a deterministic learnable token stream; text: a UTF-8 file read as bytes (vocab 256);
+    tokens: a flat binary file of token ids (`token_dtype`)."""
+    path: Optional[str] = None
+    """File for `text` / `tokens` sources; `sample` means the corpus shipped with the package."""
+    token_dtype: Literal["uint8", "uint16", "uint32"] = "uint16"
+    seq_len: int = 64
+    global_batch_size: int = 16
+    """Samples consumed by one optimizer step, whatever the world size."""
+    micro_batch_size: int = 4
+    """Samples in one forward/backward; a step is global_batch_size / micro_batch_size micro-batches."""
+    synthetic_samples: int = 1_000_000
+    """Length of one epoch of the synthetic source."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 parameters with fp32 reduction on CUDA, fp32 on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 10
+    progress: bool = True
+    """A progress bar on rank 0 (only when stderr is a terminal)."""
+    deterministic: bool = True
+    """torch.use_deterministic_algorithms(warn_only=True) and fixed seeds everywhere."""
+    collective_timeout_s: float = 600.0
+    """Process-group timeout; the agent's hang detection usually fires long before."""
+    output_dir: str = "runs/default"
+    """Where the run writes its summary and metrics (JSON)."""
+
+
+@dataclass
+class CheckpointConfig:
+    url: Optional[str] = None
+    """Where checkpoints go: a path, file:///path, s3://bucket/prefix, or any fsspec URL. None disables them."""
+    every_steps: int = 0
+    """Save every N steps (0: off)."""
+    every_seconds: float = 0.0
+    """Save when this much wall time passed since the last save (0: off)."""
+    keep_last: int = 3
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    async_save: bool = True
+    async_mode: Literal["thread", "process"] = "thread"
+    save_on_exit: bool = True
+    """Save at the end of training and on SIGTERM (after finishing the current step)."""
+    max_consecutive_failures: int = 0
+    """Stop the job cleanly after this many failed saves in a row (0: never, keep training)."""
+    resume: str = "auto"
+    """auto: newest valid checkpoint under `url` if any; never: start fresh; or a checkpoint URL."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec (for s3: endpoint_url, key, secret, client_kwargs={region_name: ...})."""
+
+
+@dataclass
+class ElasticConfig:
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 2
+    max_restarts: int = 3
+    """Restart budget for the whole job (not per agent)."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port[,host:port...] of etcd; None starts an embedded local etcd."""
+    run_id: str = "elastictrain"
+    lease_ttl_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
+    """Floor of the hang-detection timeout (it is also calibrated from observed step times)."""
+    join_grace_s: float = 10.0
+    """How long survivors wait for a failed node to come back before re-forming without it."""
+    rdzv_timeout_s: float = 120.0
+
+
+@dataclass
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    json: bool = False
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> dict[str, str]:
+        """Hashes of the parts that a checkpoint must agree with (model and data layout), per section."""
+        parts = {
+            "model": self.to_dict()["model"],
+            "data": {k: v for k, v in self.to_dict()["data"].items()},
+            "seed": self.train.seed,
+        }
+        return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
+                for k, v in parts.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building dataclasses from plain data, with type checking
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}; "
+                              f"set {where} to one of them")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of fields of {tp.__name__}, got {value!r}")
+        return _build(tp, value, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{where}: unsupported type {tp!r}")  # a bug in this module, not in the user's file
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            close = [n for n in names if n.startswith(str(key)[:3])]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            raise ConfigError(f"{where + '.' if where else ''}{key}: unknown field{hint}; "
+                              f"known fields: {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], f"{where + '.' if where else ''}{f.name}")
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading, overrides, validation
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `section.field=value` (value parsed as YAML) to raw config data, in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected section.field=value, e.g. --set train.steps=200")
+    path, _, raw = assignment.partition("=")
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"--set {assignment!r}: empty field name; expected section.field=value")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: {k} is not a section")
+    node[keys[-1]] = _parse_scalar(raw)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> JobConfig:
+    """Read a YAML job file (or the defaults), apply `--set` overrides, and validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a YAML file "
+                              f"(see configs/tiny-cpu.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections (model, data, train...)")
+        data = loaded
+    for o in overrides:
+        apply_override(data, o)
+    cfg = _build(JobConfig, data, "")
+    if "model" in data and "overrides" in (data.get("model") or {}):
+        merged = dict(DEFAULT_MODEL_OVERRIDES) if cfg.model.path is None and cfg.model.name == "llama" else {}
+        merged.update(data["model"]["overrides"] or {})
+        cfg.model.overrides = merged
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build and validate a JobConfig from plain data (as written by `JobConfig.to_dict`)."""
+    cfg = _build(JobConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check values and combinations; raise ConfigError naming the field and the fix."""
+    d, t, o, c, e = cfg.data, cfg.train, cfg.optim, cfg.checkpoint, cfg.elastic
+    positive = {
+        "train.steps": t.steps, "data.seq_len": d.seq_len, "data.global_batch_size": d.global_batch_size,
+        "data.micro_batch_size": d.micro_batch_size, "train.log_every": t.log_every,
+        "elastic.nproc_per_node": e.nproc_per_node, "elastic.min_nodes": e.min_nodes,
+        "elastic.max_nodes": e.max_nodes, "data.synthetic_samples": d.synthetic_samples,
+    }
+    for name, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{name} must be > 0 (got {v}); set it with --set {name}=<positive number>")
+    if d.global_batch_size % d.micro_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size={d.global_batch_size} is not divisible into micro-batches of "
+            f"data.micro_batch_size={d.micro_batch_size}; make global_batch_size a multiple of micro_batch_size")
+    if e.min_nodes > e.max_nodes:
+        raise ConfigError(f"elastic.min_nodes={e.min_nodes} > elastic.max_nodes={e.max_nodes}; "
+                          f"set min_nodes <= max_nodes")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0 (got {o.lr})")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
+    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
+        raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0")
+    if d.source in ("text", "tokens") and not d.path:
+        raise ConfigError(f"data.source={d.source!r} needs data.path (a local file, or 'sample' for the "
+                          f"bundled corpus)")
+    if d.source == "synthetic" and d.path:
+        raise ConfigError("data.path is set but data.source is 'synthetic'; set data.source to 'text' or "
+                          "'tokens', or remove data.path")
+    for name, v in {"checkpoint.every_steps": c.every_steps, "checkpoint.every_seconds": c.every_seconds,
+                    "checkpoint.keep_every": c.keep_every,
+                    "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
+        if v < 0:
+            raise ConfigError(f"{name} must be >= 0 (got {v}); 0 turns it off")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {c.keep_last}): the newest valid checkpoint "
+                          f"is always kept")
+    if c.url is None and (c.every_steps or c.every_seconds):
+        raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
+                          "set checkpoint.url (a path or s3://bucket/prefix)")
+    if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
+    if e.lease_ttl_s <= 0 or e.heartbeat_timeout_s <= 0 or e.rdzv_timeout_s <= 0 or e.join_grace_s < 0:
+        raise ConfigError("elastic timeouts (lease_ttl_s, heartbeat_timeout_s, rdzv_timeout_s) must be > 0 "
+                          "and join_grace_s >= 0")
+    if e.max_restarts < 0:
+        raise ConfigError(f"elastic.max_restarts must be >= 0 (got {e.max_restarts})")
+    if t.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
+                          f"holding a transformers config.json, or remove it to use model.name")

@@ -1,0 +1,8 @@
+"""Shared fixtures. Service fixtures (real etcd, real S3 server) live in tests/fixtures/ as plugins."""
+
+import os
+
+# Never let a test reach a real cloud: s3fs/botocore fall back to public AWS hosts and instance metadata.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+
+pytest_plugins: list[str] = []
