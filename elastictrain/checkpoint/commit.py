@@ -1,0 +1,154 @@
+"""Atomic commit of a DCP checkpoint, inside DCP's own save protocol.
+
+`CommittingWriter` is DCP's fsspec writer with two additions:
+
+1. every file is checksummed while it is written (one pass, no read-back); each rank hands its
+   (name, size, sha256) list to the coordinator inside its DCP write results;
+2. `finish()`, which DCP calls on the coordinator only after *every* rank reported a successful write,
+   first lets DCP write `.metadata`, then writes `manifest.json`, then the `COMMITTED` marker, last.
+
+An error anywhere (one rank's write, .metadata, manifest, marker) becomes DCP's CheckpointException on
+every rank, so a save future that completes without error means the checkpoint is committed, on every
+rank, with no extra barrier. Nothing is renamed on object stores (DCP's own .metadata rename is a
+copy there; the marker is what makes the checkpoint visible, not the rename).
+
+`PHASE_HOOK` lets fault tests stop a save in a chosen phase: `before_data`, `after_data`,
+`after_dcp_metadata`, `after_manifest`, `after_marker` (called with the phase and the rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
+
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from elastictrain.checkpoint.manifest import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    CheckpointMetadata,
+    CommitMarker,
+    FileEntry,
+    HashingWriter,
+    Manifest,
+    sha256_bytes,
+)
+from elastictrain.checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+
+PHASE_HOOK: Optional[Callable[[str, int], None]] = None
+"""Fault injection for tests: called at each phase of a save with (phase, rank)."""
+
+_FILES_FQN = "__elastictrain_files__"
+
+
+def _phase(name: str, rank: int) -> None:
+    hook = PHASE_HOOK
+    if hook is not None:
+        hook(name, rank)
+
+
+class _HashingFileSystem(_FsspecFileSystem):
+    """DCP's fsspec FileSystem whose write streams record (name, size, sha256) of each file on close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[FileEntry] = []
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            # list.append is atomic under the GIL: DCP may write several files from several threads.
+            stream = HashingWriter(raw, posixpath.basename(os.fspath(path)), self.written.append)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+
+def write_commit(storage: Storage, dirname: str, manifest: Manifest, rank: int = 0) -> CommitMarker:
+    """Write manifest.json, then the commit marker naming its sha256 (the marker is always last)."""
+    data = manifest.to_bytes()
+    storage.write_bytes(data, dirname, MANIFEST_NAME)
+    _phase("after_manifest", rank)
+    marker = CommitMarker(step=manifest.metadata.step, manifest_sha256=sha256_bytes(data))
+    storage.write_bytes(marker.to_bytes(), dirname, MARKER_NAME)
+    _phase("after_marker", rank)
+    return marker
+
+
+class CommittingWriter(FsspecWriter):
+    """DCP storage writer for one checkpoint directory that checksums its files and commits on finish."""
+
+    def __init__(self, storage: Storage, dirname: str, metadata: CheckpointMetadata, *,
+                 thread_count: int = 1) -> None:
+        # sync_files=False: DCP's own fsync falls back to a machine-wide os.sync() on object stores;
+        # HashingWriter fsyncs local files itself and an object-store close is the durable upload.
+        super().__init__(storage.url_for(dirname), single_file_per_rank=True, sync_files=False,
+                         thread_count=thread_count, overwrite=True, **storage.options)
+        self.fs = _HashingFileSystem()
+        self.path = self.fs.init_path(storage.url_for(dirname), **storage.options)
+        self.storage = storage
+        self.dirname = dirname
+        self.metadata = metadata
+        self.committed: Optional[CommitMarker] = None
+
+    def _rank(self) -> int:
+        return self.rank if self.rank is not None else 0
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Re-saving into a directory that once held a committed checkpoint: un-commit it before any
+        # rank writes, so that a crash half-way cannot leave an old marker over new data.
+        for name in (MARKER_NAME, MANIFEST_NAME):
+            p = self.storage.path(self.dirname, name)
+            if self.storage.fs.exists(p):
+                self.storage.fs.rm(p)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        _phase("before_data", self._rank())
+        self.fs.written = []
+        results = super().write_data(plan, planner).value()
+        entries = [e for e in self.fs.written if not e.name.endswith(".tmp")]
+        results.append(WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=entries))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        rank = self._rank()
+        entries: list[FileEntry] = []
+        dcp_results: list[list[WriteResult]] = []
+        for per_rank in results:
+            keep = []
+            for wr in per_rank:
+                if isinstance(wr.index, MetadataIndex) and wr.index.fqn == _FILES_FQN:
+                    entries.extend(wr.storage_data)
+                else:
+                    keep.append(wr)
+            dcp_results.append(keep)
+        _phase("after_data", rank)
+        super().finish(metadata, dcp_results)
+        _phase("after_dcp_metadata", rank)
+        # .metadata went through a .tmp + rename; it is small, so hash what is actually there.
+        md = self.storage.read_bytes(self.dirname, DCP_METADATA_NAME)
+        entries.append(FileEntry(DCP_METADATA_NAME, len(md), sha256_bytes(md)))
+        entries.sort(key=lambda e: e.name)
+        manifest = Manifest(metadata=self.metadata, files=entries)
+        self.committed = write_commit(self.storage, self.dirname, manifest, rank)
+        log.info("committed checkpoint %s (%d files, %.1f MB)", self.storage.url_for(self.dirname),
+                 len(entries), sum(e.size for e in entries) / 1e6)
