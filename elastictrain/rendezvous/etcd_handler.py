@@ -1,0 +1,242 @@
+"""EtcdRendezvousHandler: torch's DynamicRendezvousHandler on etcd v3, plus lease liveness.
+
+Registered through the `torchrun.handlers` entry point, so `torchrun --rdzv-backend etcd3
+--rdzv-endpoint HOST:2379 --rdzv-id JOB ...` uses it once elastictrain is installed.
+
+What differs from torch's c10d rendezvous, and why:
+
+* State (`<prefix>/<run_id>/rdzv`) and the agents' store (`.../store/`) live in etcd, so no agent
+  hosts anything the others need: any node, the first included, may die.
+* Workers do not share an agent's TCPStore (`use_agent_store` is False and
+  `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set): rank 0 of each round picks a free port and publishes
+  MASTER_ADDR/MASTER_PORT through the etcd store; the rank-0 *worker* then hosts the process group's
+  TCPStore. That store only lives as long as one round's worker group, which is restarted on any
+  failure anyway, and a fresh one is chosen each round, so it never outlives its host and stale keys
+  from older rounds cannot leak into a restarted group.
+* Liveness: each agent keeps a lease-bound node record (`.../nodes/<node>`); a lost node's record
+  vanishes after `lease_ttl` and survivors (a) drop it from the state and (b) report it through
+  `num_nodes_waiting`, which makes torch's agent restart its workers and join a new round.
+* A short etcd outage is ridden out: periodic calls (monitor loop, heartbeats) skip a beat instead of
+  failing, and only an outage longer than `outage_tolerance` raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousState,
+)
+
+from elastictrain.errors import RendezvousError
+from elastictrain.rendezvous.backend import EtcdV3Backend
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.liveness import NodeLiveness
+from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings
+from elastictrain.rendezvous.store import EtcdStore
+
+logger = logging.getLogger(__name__)
+
+# How long one periodic call (monitor loop, heartbeat) may retry before skipping a beat.
+_PERIODIC_TOLERANCE_S = 2.0
+
+
+def node_id(node: _NodeDesc) -> str:
+    """The node record name of a rendezvous participant (torch's `addr_pid_localid`)."""
+    return repr(node)
+
+
+class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, which also drops nodes whose etcd lease expired."""
+
+    def __init__(
+        self,
+        backend: EtcdV3Backend,
+        settings: RendezvousSettings,
+        liveness: NodeLiveness,
+        cache_duration: int = 1,
+    ) -> None:
+        super().__init__(backend, settings, cache_duration)
+        self._liveness = liveness
+
+    def _sanitize(self) -> None:
+        super()._sanitize()
+        state: _RendezvousState = self._state
+        known = set(state.last_heartbeats) | set(state.participants) | state.wait_list | state.redundancy_list
+        by_id = {node_id(n): n for n in known}
+        lost = self._liveness.lost(set(by_id))
+        if not lost:
+            return
+        participant_removed = False
+        for name in lost:
+            node = by_id[name]
+            logger.info("node %s lost its etcd lease; removing it from rendezvous '%s'", name, self._settings.run_id)
+            state.last_heartbeats.pop(node, None)
+            if state.participants.pop(node, None) is not None:
+                participant_removed = True
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+            self._dead_nodes.append(node)
+        if participant_removed:
+            _remove_participant_epilogue(state, self._settings)
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """DynamicRendezvousHandler that reports lost nodes, survives etcd blips and owns its etcd resources."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        store: EtcdStore,
+        state_holder: LeaseAwareStateHolder,
+        client: EtcdClient,
+        liveness: NodeLiveness,
+    ) -> None:
+        super().__init__(node, settings, "etcd3", store, state_holder)
+        self._client = client
+        self._liveness = liveness
+        self._round_members: set[str] = set()
+        self._outage_since: float | None = None
+
+    @property
+    def use_agent_store(self) -> bool:
+        """False: workers must not depend on a store hosted by one agent (see module docstring)."""
+        return False
+
+    @property
+    def liveness(self) -> NodeLiveness:
+        """This node's lease and peer watch."""
+        return self._liveness
+
+    @property
+    def this_node(self) -> str:
+        """This agent's node id."""
+        return node_id(self._this_node)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class; also remembers the round's members, to notice when one is lost."""
+        info = super().next_rendezvous()
+        self._round_members = {node_id(n) for n in self._state_holder.state.participants}
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join plus members of the current round that lost their lease.
+
+        torch's agent calls this every monitor interval and restarts its workers (without spending a
+        restart) when it is positive, which is how survivors start a new round after a node loss.
+        """
+        now = time.monotonic()
+        try:
+            with self._client.tolerance(_PERIODIC_TOLERANCE_S):
+                waiting = super().num_nodes_waiting()
+        except RendezvousConnectionError:
+            if self._outage_since is None:
+                self._outage_since = now
+                logger.warning("etcd unreachable; training goes on, retrying")
+            if now - self._outage_since > self._client.settings.outage_tolerance:
+                raise
+            return 0
+        if self._outage_since is not None:
+            logger.info("etcd reachable again after %.1f s", now - self._outage_since)
+            self._outage_since = None
+        lost = self._liveness.lost(self._round_members)
+        if lost:
+            logger.warning("lost node(s) %s of the current round; asking for a new round", sorted(lost))
+            self._round_members -= lost
+        return waiting + len(lost)
+
+    def _keep_alive(self) -> None:
+        # torch's heartbeat holds the lock the monitor loop needs; never let it block for a long outage.
+        with self._client.tolerance(_PERIODIC_TOLERANCE_S):
+            super()._keep_alive()
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous, then release the lease and the connection."""
+        try:
+            return super().shutdown()
+        finally:
+            self._liveness.stop()
+            self._client.close()
+
+
+def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: EtcdSettings) -> None:
+    """Clear a previous job's closed rendezvous under the same run id, so the id can be reused.
+
+    Only a *closed* state with no live node record is cleared, and only if nobody wrote it since we
+    read it (a conditional delete), so a job that is starting concurrently is never disturbed.
+    """
+    current = backend.get_state()
+    if current is None:
+        return
+    try:
+        state = pickle.loads(current[0])
+    except Exception:  # noqa: BLE001 - a corrupt state is torch's to report
+        return
+    if not getattr(state, "closed", False):
+        return
+    if client.get_prefix(f"{settings.run_prefix}/nodes/"):
+        return
+    if client.delete_if_revision(backend.key, current[1]):
+        client.delete_prefix(f"{settings.run_prefix}/store/")
+        logger.info("cleared the finished rendezvous of an earlier job with run id '%s'", settings.run_id)
+
+
+def _timeout(params: RendezvousParameters, key: str) -> timedelta:
+    value = params.get_as_int(key, DEFAULTS[key])
+    if value is None or value <= 0:
+        raise RendezvousError(f"rdzv-conf {key}={value!r} must be a positive number of seconds")
+    return timedelta(seconds=value)
+
+
+def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """Create the `etcd3` handler from torchrun's rendezvous parameters (`--rdzv-*`)."""
+    settings = EtcdSettings.from_conf(params.endpoint, params.run_id, params.config)
+    # Without this, torch's handler would host a TCPStore in the rank-0 agent and hand it to the
+    # workers: the single point of failure this backend exists to remove.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    client = EtcdClient(settings)
+    client.connect()
+    backend = EtcdV3Backend(client, f"{settings.run_prefix}/rdzv")
+    _reset_if_finished(client, backend, settings)
+    store = EtcdStore(
+        client, f"{settings.run_prefix}/store", timeout=timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    )
+    rdzv_settings = RendezvousSettings(
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        RendezvousTimeout(
+            _timeout(params, "join_timeout"),
+            _timeout(params, "last_call_timeout"),
+            _timeout(params, "close_timeout"),
+            _timeout(params, "heartbeat_timeout"),
+        ),
+        keep_alive_interval=_timeout(params, "keep_alive_interval"),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", DEFAULTS["keep_alive_max_attempt"]) or 3,
+    )
+    node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    liveness = NodeLiveness(client, f"{settings.run_prefix}/nodes", node_id(node), settings.lease_ttl)
+    liveness.start()
+    state_holder = LeaseAwareStateHolder(backend, rdzv_settings, liveness)
+    handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness)
+    logger.info(
+        "etcd3 rendezvous '%s' on %s as node %s (lease ttl %s s)",
+        params.run_id, settings.endpoints_str(), handler.this_node, settings.lease_ttl,
+    )  # fmt: skip
+    return handler
