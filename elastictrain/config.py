@@ -88,7 +88,9 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     """Process-group timeout; the agent's hang detection usually fires long before."""
     output_dir: str = "runs/default"
-    """Where the run writes its summary and metrics (JSON)."""
+    """Where the run writes its summary (JSON) and, with audit_samples, its sample ledger."""
+    audit_samples: bool = False
+    """Append every step's consumed sample ids per rank to <output_dir>/samples/ (exactly-once audits)."""
 
 
 @dataclass
@@ -226,6 +228,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -1,0 +1,274 @@
+"""Reference recipe: causal-LM pretraining with FSDP2 over the elastic data cursor.
+
+Run under torchrun (`torchrun --nproc-per-node 2 -m elastictrain.recipes.lm --config configs/tiny-cpu.yaml`)
+or through `elastictrain run`. Every step is a pure function of (config, seed, step, data cursor): the same
+world size gives bitwise-identical runs, another world size consumes exactly the same samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import pickle
+import signal
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from elastictrain.config import JobConfig, load_config
+from elastictrain.errors import ElastictrainError
+from elastictrain.logs import setup_logging
+from elastictrain.recipes.model import build_model, build_optimizer, shard_model
+from elastictrain.runtime.audit import SampleLedger
+from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
+from elastictrain.runtime.data import build_source
+from elastictrain.runtime.determinism import (
+    capture_rng_state, configure_determinism, derive_seed, restore_rng_state, seed_everything,
+)
+from elastictrain.runtime.session import Session
+from elastictrain.runtime.train_state import CallbackState, ModelState, OptimizerState, rng_key
+
+log = logging.getLogger("elastictrain.recipes.lm")  # also when run as __main__
+
+
+@dataclass
+class RunSummary:
+    """Written by rank 0 to `<output_dir>/summary.json` at the end of a run."""
+
+    world_size: int
+    start_step: int
+    final_step: int
+    samples_consumed: int
+    final_loss: Optional[float]
+    tokens_per_s: float
+    step_time_s_median: float
+    wall_s: float
+    stopped_early: bool
+    param_digest: str
+    resumed_from: Optional[str] = None
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over the full (unsharded) parameters; a collective: every rank must call it."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    h = hashlib.sha256()
+    for name in sorted(full):
+        h.update(name.encode())
+        h.update(full[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; acted on at the next step boundary, agreed by all ranks."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, session: Session, checkpointer: Any = None):
+        self.cfg, self.session, self.checkpointer = cfg, session, checkpointer
+        t, d = cfg.train, cfg.data
+        configure_determinism(t.deterministic)
+        seed_everything(derive_seed(t.seed, "rank", session.rank))
+        self.model = build_model(cfg.model, t.seed)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.model = shard_model(self.model, session.mesh, t, session.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, t.steps)
+        self.source = build_source(d, self.vocab_size, t.seed)
+        self.cursor = ElasticCursor(GlobalOrder(self.source.num_samples, t.seed), d.global_batch_size,
+                                    d.micro_batch_size)
+        self.step = 0
+        self.stop = _StopFlag()
+        self.output_dir = Path(t.output_dir)
+        self.ledger: Optional[SampleLedger] = None
+        # Identifies this launch in the sample ledger; newer launches (after a restart) supersede older ones.
+        seq = torch.tensor([time.time_ns()], dtype=torch.int64)
+        dist.broadcast(seq, src=0)
+        self.launch_seq = int(seq.item())
+        if t.audit_samples:
+            self.ledger = SampleLedger(self.output_dir / "samples", session.rank, f"{self.launch_seq:x}")
+
+    # --- checkpointable state -------------------------------------------------------------------------
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "world_size": self.session.world_size, **self.cursor.state_dict()}
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.cursor.load_state_dict(state)
+
+    def _rng_state(self) -> dict[str, Any]:
+        return {"blob": pickle.dumps(capture_rng_state())}
+
+    def _load_rng_state(self, state: dict[str, Any]) -> None:
+        restore_rng_state(pickle.loads(state["blob"]))
+
+    def state(self, include_rng: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optimizer),
+            "scheduler": CallbackState(self.scheduler.state_dict, self.scheduler.load_state_dict),
+            "trainer": CallbackState(self._trainer_state, self._load_trainer_state),
+        }
+        if include_rng:
+            out[rng_key(self.session.rank)] = CallbackState(self._rng_state, self._load_rng_state)
+        return out
+
+    def reseed_for_new_world(self) -> None:
+        """At a world size other than the checkpoint's, per-rank RNG is re-derived from (seed, step, rank)."""
+        seed_everything(derive_seed(self.cfg.train.seed, "resume", self.step, self.session.rank))
+
+    # --- the step --------------------------------------------------------------------------------------
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over this rank's share of the global batch; returns [loss_sum, stop] reduced."""
+        W, rank, dev = self.session.world_size, self.session.rank, self.session.device
+        d = self.cfg.data
+        plan = self.cursor.plan(self.step, rank, W)
+        # Sum of token losses over the global batch / its token count; FSDP averages gradients over W ranks.
+        scale = W / (d.global_batch_size * d.seq_len)
+        loss_sum = torch.zeros((), device=dev, dtype=torch.float32)
+        n = len(plan.micro_batches)
+        for i, mb in enumerate(plan.micro_batches):
+            self.model.set_requires_gradient_sync(i == n - 1)
+            if mb is None:  # padding: same collectives as the others, zero weight
+                tokens = torch.zeros((d.micro_batch_size, d.seq_len + 1), dtype=torch.long)
+            else:
+                tokens = self.source.batch(mb.samples)
+            tokens = tokens.to(dev, non_blocking=True)
+            logits = self.model(input_ids=tokens[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1),
+                                   reduction="sum")
+            (loss * (scale if mb is not None else 0.0)).backward()
+            if mb is not None:
+                loss_sum += loss.detach()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ledger is not None:
+            self.ledger.record(self.step, W, self.launch_seq, plan.samples)
+        self.cursor.advance()
+        self.step += 1
+        # One small collective per step: the global loss and whether any rank was asked to stop.
+        red = torch.stack([loss_sum, torch.tensor(float(self.stop.requested), device=dev)])
+        dist.all_reduce(red)
+        return red
+
+    # --- the run ---------------------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        t, d, s = self.cfg.train, self.cfg.data, self.session
+        self.stop.install()
+        resumed_from = None
+        if self.checkpointer is not None:
+            resumed_from = self.checkpointer.restore(self)
+        start_step = self.step
+        tokens_per_step = d.global_batch_size * d.seq_len
+        losses: dict[int, float] = {}
+        step_times: list[float] = []
+        bar = None
+        if s.is_main and t.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        t0 = time.monotonic()
+        stopped_early = False
+        while self.step < t.steps:
+            ts = time.monotonic()
+            red = self.train_step()
+            loss_sum, stop = red.tolist()
+            step_times.append(time.monotonic() - ts)
+            loss = loss_sum / tokens_per_step
+            losses[self.step] = loss
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                recent = step_times[-t.log_every:]
+                st = statistics.median(recent)
+                log.info("step %d/%d loss %.4f lr %.2e step_time %.3fs tokens/s %.0f", self.step, t.steps, loss,
+                         self.scheduler.get_last_lr()[0], st, tokens_per_step / st)
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(self, final=self.step == t.steps, stopping=bool(stop))
+            if stop:
+                stopped_early = True
+                log.warning("stop requested: leaving at step %d", self.step)
+                break
+        wall = time.monotonic() - t0
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        digest = param_digest(self.model)
+        if self.ledger is not None:
+            self.ledger.close()
+        med = statistics.median(step_times) if step_times else 0.0
+        return RunSummary(
+            world_size=s.world_size, start_step=start_step, final_step=self.step,
+            samples_consumed=self.cursor.samples_consumed, final_loss=losses.get(self.step),
+            tokens_per_s=(tokens_per_step / med) if med else 0.0, step_time_s_median=med, wall_s=wall,
+            stopped_early=stopped_early, param_digest=digest, resumed_from=resumed_from, losses=losses)
+
+
+def write_summary(summary: RunSummary, output_dir: Path) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
+    log.info("done: steps %d..%d on %d rank(s), final loss %s, %.0f tokens/s, median step %.3fs, wall %.1fs",
+             summary.start_step, summary.final_step, summary.world_size,
+             f"{summary.final_loss:.4f}" if summary.final_loss is not None else "n/a",
+             summary.tokens_per_s, summary.step_time_s_median, summary.wall_s)
+    log.info("summary written to %s", output_dir / "summary.json")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="elastictrain.recipes.lm", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML job file (configs/tiny-cpu.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, e.g. --set train.steps=200 (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ElastictrainError as e:
+        sys.stderr.write(f"elastictrain: error: {e}\n")
+        return 2
+    setup_logging(cfg.logging.level, cfg.logging.json)
+    session = Session(cfg.train).start()
+    try:
+        from elastictrain.recipes.checkpointing import make_checkpointer
+        trainer = Trainer(cfg, session, checkpointer=None)
+        trainer.checkpointer = make_checkpointer(cfg, trainer, session)
+        summary = trainer.run()
+        if session.is_main:
+            write_summary(summary, Path(cfg.train.output_dir))
+    except ElastictrainError as e:
+        log.error("%s", e)
+        return 2
+    finally:
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Causal LM from a transformers config (nothing downloaded), wrapped in FSDP2 per decoder block and at the root."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from elastictrain.config import ModelConfig, OptimConfig, TrainConfig
+from elastictrain.errors import ConfigError
+from elastictrain.runtime.determinism import derive_seed
+
+log = logging.getLogger(__name__)
+
+
+def build_config(cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    try:
+        if cfg.path is not None:
+            hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        else:
+            hf = AutoConfig.for_model(cfg.name)
+    except ValueError as e:
+        raise ConfigError(f"model.name={cfg.name!r} is not a transformers model type ({e}); use e.g. llama, "
+                          f"gpt2, qwen2, mistral, or set model.path to a local config directory") from None
+    except OSError as e:
+        raise ConfigError(f"model.path={cfg.path!r}: cannot read a transformers config there ({e})") from None
+    for key, value in cfg.overrides.items():
+        if not hasattr(hf, key) and key not in hf.attribute_map:
+            raise ConfigError(f"model.overrides.{key}: {type(hf).__name__} has no attribute {key!r}; "
+                              f"check the spelling against the model's config")
+        setattr(hf, key, value)
+    hf._attn_implementation = cfg.attn_implementation
+    return hf
+
+
+def build_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
+    """The same initial weights on every rank: the init RNG is seeded from (seed, 'init') only."""
+    from transformers import AutoModelForCausalLM
+
+    hf = build_config(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "init"))
+        try:
+            model = AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+    return model
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: the largest ModuleList (llama: model.layers, gpt2: transformer.h)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=len))
+
+
+def mixed_precision(precision: str, device: torch.device) -> Optional[MixedPrecisionPolicy]:
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, train: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """fully_shard each decoder block, then the root (embeddings, final norm, head)."""
+    model.to(device)
+    mp = mixed_precision(train.precision, device)
+    kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    # No weight decay on biases and norms (1-D parameters), as usual for transformers.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -1,0 +1,100 @@
+"""The worker session: rank info from torchrun's environment, the process group, the device mesh."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elastictrain.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    restart_count: int
+    run_id: str
+
+    @classmethod
+    def from_env(cls) -> "RankInfo":
+        """Read torchrun's variables; without them this is a one-process world (rank 0 of 1)."""
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            node_rank=int(env.get("GROUP_RANK", 0)),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
+        )
+
+
+def select_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from elastictrain.errors import ConfigError
+            raise ConfigError("train.device=cuda but no CUDA device is visible; set train.device=cpu or auto")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class Session:
+    """Owns the default process group and a 1-D device mesh over all ranks (FSDP's data-parallel dim)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.info = RankInfo.from_env()
+        self.device = select_device(cfg.device, self.info.local_rank)
+        self.mesh: Optional[DeviceMesh] = None
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.rank == 0
+
+    def start(self) -> "Session":
+        timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_s)
+        # CPU collectives (loss/flag reductions, DCP's group) always have gloo; CUDA tensors go through NCCL.
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            if "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend=backend, timeout=timeout,
+                                        device_id=self.device if self.device.type == "cuda" else None)
+            else:
+                # Plain `python -m ...`: a one-process group, so the code path is the same as under torchrun.
+                self._tmp = tempfile.TemporaryDirectory(prefix="elastictrain-pg-")
+                store = dist.FileStore(os.path.join(self._tmp.name, "store"), 1)
+                dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        log.debug("session started: rank %d/%d on %s", self.rank, self.world_size, self.device)
+        return self
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

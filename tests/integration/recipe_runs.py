@@ -1,0 +1,43 @@
+"""Launching the training recipe under real torchrun, for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A small, fast job: tiny Llama on the synthetic source.
+FAST = [
+    "model.overrides.hidden_size=32", "model.overrides.intermediate_size=64",
+    "model.overrides.num_attention_heads=2", "model.overrides.num_key_value_heads=2",
+    "data.source=synthetic", "data.path=null", "data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=2",
+    "optim.warmup_steps=2", "train.log_every=5", "checkpoint.url=null", "checkpoint.every_steps=0",
+]
+
+
+def torchrun_cmd(nproc: int, overrides: list[str], extra_torchrun: Optional[list[str]] = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *(extra_torchrun or []), "-m", "elastictrain.recipes.lm", "--config", str(REPO / "configs/tiny-cpu.yaml")]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", AWS_EC2_METADATA_DISABLED="true")
+    return env
+
+
+def run_recipe(out: Path, nproc: int, overrides: list[str], timeout: float = 300,
+               extra_torchrun: Optional[list[str]] = None) -> dict:
+    """Run to completion; return the summary written by rank 0."""
+    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun)
+    r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
+    return json.loads((out / "summary.json").read_text())

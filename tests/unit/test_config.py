@@ -1,0 +1,77 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastictrain.config import JobConfig, load_config
+from elastictrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_load_and_validate():
+    for p in sorted((REPO / "configs").glob("*.yaml")):
+        assert isinstance(load_config(p), JobConfig), p
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["train.steps=7", "optim.lr=1e-4", "checkpoint.url=null",
+                                                       "checkpoint.every_steps=0", "model.overrides.hidden_size=32"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-4 and cfg.checkpoint.url is None
+    assert cfg.model.overrides["hidden_size"] == 32
+    assert cfg.model.overrides["num_hidden_layers"] == 2  # the rest of the file's overrides survive
+
+
+@pytest.mark.parametrize("text, overrides, must_name", [
+    ("train:\n  stpes: 10\n", [], "train.stpes"),                      # unknown key (typo)
+    ("bogus: {}\n", [], "bogus"),                                      # unknown section
+    ("train:\n  steps: ten\n", [], "train.steps"),                     # wrong type
+    ("train:\n  steps: 0\n", [], "train.steps"),                       # steps <= 0
+    ("", ["train.steps=-5"], "train.steps"),
+    ("data:\n  global_batch_size: 10\n  micro_batch_size: 4\n", [], "micro_batch_size"),
+    ("elastic:\n  min_nodes: 3\n  max_nodes: 2\n", [], "min_nodes"),
+    ("train:\n  precision: fp8\n", [], "train.precision"),
+    ("checkpoint:\n  every_steps: 10\n", [], "checkpoint.url"),
+    ("data:\n  source: text\n", [], "data.path"),
+    ("optim:\n  betas: [0.9]\n", [], "optim.betas"),
+    ("train: [1, 2]\n", [], "train"),
+    ("model:\n  path: /nonexistent/model\n", [], "model.path"),
+    ("train:\n  steps: [\n", [], "not valid YAML"),
+    ("", ["train.steps"], "section.field=value"),
+])
+def test_bad_config_names_the_field_and_the_fix(tmp_path, text, overrides, must_name):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text), overrides)
+    msg = str(e.value)
+    assert must_name in msg
+    assert "\n" not in msg
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_reports_bad_config_in_one_line_without_traceback(tmp_path):
+    p = write(tmp_path, "data:\n  global_batch_size: 10\n  micro_batch_size: 4\n")
+    r = subprocess.run([sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(p)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "data.global_batch_size=10" in lines[0], r.stderr
+
+
+def test_fingerprint_changes_with_model_shape_not_with_steps():
+    a = load_config(None, ["train.steps=10"])
+    b = load_config(None, ["train.steps=20"])
+    c = load_config(None, ["model.overrides.hidden_size=128"])
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint()["model"] != c.fingerprint()["model"]
