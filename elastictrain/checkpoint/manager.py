@@ -1,0 +1,388 @@
+"""CheckpointManager: when to save, async DCP save with atomic commit, retention, and resume.
+
+Used from the training loop on every rank, at step boundaries:
+
+    mgr = CheckpointManager(cfg.checkpoint, fingerprint=job.fingerprint(), rank=rank, world_size=world,
+                            on_event=events.emit, extra_metadata={"hf_config": model.config.to_dict()})
+    loaded = mgr.load_latest(state)            # None: start fresh; else loaded.step, loaded.missing_keys
+    for step in ...:
+        train_one_step()
+        if mgr.should_save(step):              # same answer on every rank (collective when every_seconds)
+            mgr.save(step, state)              # blocks while staging only; never raises a storage failure
+    mgr.close()                                # waits for the save in flight
+
+`state` is a DCP state dict: values are tensors/DTensors, nested dicts, picklable objects, or
+`Stateful` objects (their state_dict() is saved and load_state_dict() called on load). The lead's
+training state: `model` (get_model_state_dict FQNs), `optim` (get_optimizer_state_dict), `scheduler`,
+`trainer` (step, data cursor) and one `rng/rank{r}` per rank (see `compat` for other world sizes).
+
+Process groups: when torch.distributed is initialized the manager creates two gloo groups of its own
+(every rank must construct the manager, in the same order relative to other new_group calls): one for
+DCP (async save on the default group hangs; a NCCL group cannot carry DCP's object collectives on
+CPU), one for the manager's own small collectives, which must not interleave with a save running in
+the background thread.
+
+Failures: a failing save (storage down, bad credentials, disk full) is logged, reported as
+`on_event("checkpoint_failed", {...})` and retried at the next interval; DCP turns any rank's failure
+into an error on every rank, so all ranks count failures alike. After `max_consecutive_failures`
+failures in a row (if > 0), the next `save()` (the same step on every rank) raises CheckpointError.
+
+Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s}, checkpoint_failed {step, url,
+error, consecutive}, checkpoint_loaded {step, url, world_size, verify_s}, checkpoint_skipped {url, reason},
+checkpoint_deleted {url}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future as CFuture
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from elastictrain.checkpoint import compat
+from elastictrain.checkpoint.commit import CommittingWriter
+from elastictrain.checkpoint.discovery import (
+    CheckpointInfo,
+    _group_by_step_dir,
+    inspect_dir,
+    open_checkpoint,
+    verify_files,
+)
+from elastictrain.checkpoint.manifest import CheckpointMetadata, library_versions, parse_step_dir, step_dir_name
+from elastictrain.checkpoint.retention import apply_retention
+from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import CheckpointError, CheckpointMismatchError, StorageError
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    world_size: int
+    """World size of the job that wrote the checkpoint."""
+    url: str
+    metadata: CheckpointMetadata
+    missing_keys: list[str] = field(default_factory=list)
+    """Per-rank keys of this rank that the checkpoint does not hold (other world size); re-derive them."""
+    version_warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    url: str
+    started: float
+    blocking_s: float
+    done: CFuture = field(default_factory=CFuture)
+    """Set to None on success, or to the save's exception, after retention ran."""
+    deleted: list[str] = field(default_factory=list)
+
+
+def _short(exc: BaseException) -> str:
+    """One line per failing rank of a DCP CheckpointException (no stack traces), else str(exc)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _inner(exc: BaseException) -> BaseException:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
+class CheckpointManager:
+    """Periodic sharded checkpoints of one job; one instance per rank (see the module docstring)."""
+
+    def __init__(self, cfg: CheckpointConfig, *, fingerprint: dict[str, str], rank: int = 0, world_size: int = 1,
+                 on_event: Optional[EventSink] = None, extra_metadata: Optional[dict[str, Any]] = None,
+                 verify_on_load: bool = True) -> None:
+        self.cfg = cfg
+        self.fingerprint = dict(fingerprint)
+        self.rank = rank
+        self.world_size = world_size
+        self.verify_on_load = verify_on_load
+        self.extra_metadata = dict(extra_metadata or {})
+        self._on_event = on_event
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._dcp_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._ctl_pg = dist.new_group(backend="gloo") if self._distributed else None
+        self._in_flight: Optional[_InFlight] = None
+        self._failures = 0
+        self._last_saved_step: Optional[int] = None
+        self._last_save_time = time.monotonic()
+        self.last_error: Optional[str] = None
+        self.storage: Optional[Storage] = open_storage(cfg.url, cfg.storage_options) if cfg.url else None
+        if self.storage is not None:
+            self._check_storage()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(name, fields)
+        except Exception:  # an event sink must not take training down
+            log.exception("event sink failed on %s", name)
+
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank (manager's control group)."""
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._ctl_pg, 0), group=self._ctl_pg)
+        return box[0]
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self._ctl_pg)
+        dist.all_gather_object(out, obj, group=self._ctl_pg)
+        return out
+
+    def _check_storage(self) -> None:
+        assert self.storage is not None
+        error = None
+        if self.rank == 0:
+            try:
+                check_storage(self.storage)
+            except StorageError as e:
+                error = str(e)
+        error = self._broadcast(error)
+        if error:
+            raise StorageError(error)
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save after `step`; the same answer on every rank."""
+        if self.storage is None or step == self._last_saved_step:
+            return False
+        due = self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
+        if self.cfg.every_seconds > 0 and not due:
+            # Clocks differ between ranks; rank 0's decides, or DCP's collectives would deadlock.
+            due = bool(self._broadcast(time.monotonic() - self._last_save_time >= self.cfg.every_seconds))
+        return due
+
+    def save(self, step: int, state: dict[str, Any], *, blocking: bool = False) -> bool:
+        """Save `state` as the checkpoint of `step` on every rank; returns False if it failed (blocking only).
+
+        Waits for the save in flight first. Async (cfg.async_save and not blocking): returns once the
+        state is staged; the upload and commit finish in the background. Storage failures never raise;
+        CheckpointError only after cfg.max_consecutive_failures failed saves in a row.
+        """
+        if self.storage is None:
+            raise CheckpointError("save() without checkpoint.url; set checkpoint.url to enable checkpoints")
+        self.wait()
+        self._raise_if_failing()
+        dirname = step_dir_name(step)
+        url = self.storage.url_for(dirname)
+        metadata = CheckpointMetadata(step=step, world_size=self.world_size, fingerprint=self.fingerprint,
+                                      versions=library_versions(), extra=self.extra_metadata)
+        writer = CommittingWriter(self.storage, dirname, metadata)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        t0 = time.monotonic()
+        if blocking or not self.cfg.async_save:
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self._dcp_pg, no_dist=not self._distributed)
+            except (Exception, CheckpointException) as e:
+                self._record_failure(step, url, e)
+                return False
+            elapsed = time.monotonic() - t0
+            self._record_success(step, url, elapsed, elapsed)
+            for deleted in self._retain():
+                self._emit("checkpoint_deleted", url=deleted)
+            return True
+        kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
+        # Staging errors are local to this rank (its state_dict() failed): the other ranks are already in
+        # the save's collectives, so this is not a recoverable storage failure; let it raise.
+        fut = dcp.async_save(state, storage_writer=writer, process_group=self._dcp_pg,
+                             async_checkpointer_type=kind, no_dist=not self._distributed)
+        upload = getattr(fut, "upload_completion", fut)
+        flight = _InFlight(step=step, url=url, started=t0, blocking_s=time.monotonic() - t0)
+        self._in_flight = flight
+        upload.add_done_callback(lambda f: self._after_upload(flight, f))
+        return True
+
+    def _after_upload(self, flight: _InFlight, fut: Any) -> None:
+        # Runs in DCP's executor thread: retention here keeps it off the training thread, and inside the
+        # "save in flight" window so that the next save cannot start while it deletes.
+        exc = fut.exception()
+        if exc is None:
+            flight.deleted = self._retain()
+        flight.done.set_result(exc)
+
+    def _retain(self) -> list[str]:
+        if self.rank != 0 or self.storage is None:
+            return []
+        try:
+            return apply_retention(self.storage, self.cfg.keep_last, self.cfg.keep_every)
+        except Exception as e:  # retention failing must not fail the save that triggered it
+            log.warning("retention under %s failed: %s", self.storage.url, e)
+            return []
+
+    def _record_success(self, step: int, url: str, blocking_s: float, total_s: float) -> None:
+        self._failures = 0
+        log.info("checkpoint step %d saved to %s (blocked %.3fs, total %.3fs)", step, url, blocking_s, total_s)
+        self._emit("checkpoint_saved", step=step, url=url, blocking_s=blocking_s, total_s=total_s)
+
+    def _record_failure(self, step: int, url: str, exc: BaseException) -> None:
+        self._failures += 1
+        assert self.storage is not None
+        inner = _inner(exc)
+        reason = str(explain_storage_error(inner, self.storage, "save to")) if isinstance(inner, OSError) \
+            else _short(exc)
+        log.error("checkpoint step %d to %s failed (%d in a row): %s", step, url, self._failures, reason)
+        self._emit("checkpoint_failed", step=step, url=url, error=reason, consecutive=self._failures)
+        self.last_error = reason
+
+    def _raise_if_failing(self) -> None:
+        limit = self.cfg.max_consecutive_failures
+        if limit > 0 and self._failures >= limit:
+            raise CheckpointError(
+                f"{self._failures} checkpoint saves in a row failed (checkpoint.max_consecutive_failures={limit}); "
+                f"last error: {self.last_error}. Fix the storage and resume from the last valid "
+                f"checkpoint, or raise the limit (0 keeps training without checkpoints)")
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self._failures
+
+    @property
+    def save_in_flight(self) -> bool:
+        return self._in_flight is not None and not self._in_flight.done.done()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) and record its outcome."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        exc = flight.done.result()
+        if exc is None:
+            self._record_success(flight.step, flight.url, flight.blocking_s, time.monotonic() - flight.started)
+            for deleted in flight.deleted:
+                self._emit("checkpoint_deleted", url=deleted)
+        else:
+            self._record_failure(flight.step, flight.url, exc)
+
+    def close(self) -> None:
+        """Wait for the save in flight; the manager's process groups stay (destroyed with the default one)."""
+        self.wait()
+
+    # ------------------------------------------------------------------ loading
+
+    def _candidates(self) -> Any:
+        """Rank 0 only: structurally valid checkpoints, newest first (one listing, lazy marker reads)."""
+        assert self.storage is not None
+        groups = _group_by_step_dir(self.storage.list_files())
+        for d in sorted(groups, key=lambda n: parse_step_dir(n) or -1, reverse=True):
+            info = inspect_dir(self.storage, d, groups[d])
+            if info.valid:
+                yield info
+            else:
+                log.warning("skipping checkpoint %s: %s", info.url, info.reason)
+                self._emit("checkpoint_skipped", url=info.url, reason=info.reason)
+
+    def _verified(self, info: CheckpointInfo, storage: Storage) -> list[str]:
+        """Checksums of `info`'s files, each rank reading its share; the problems found by any rank."""
+        if not self.verify_on_load or info.manifest is None:
+            return []
+        names = [f.name for f in info.manifest.files]
+        world = dist.get_world_size(self._ctl_pg) if self._distributed else 1
+        me = dist.get_rank(self._ctl_pg) if self._distributed else 0
+        mine = verify_files(storage, info, names[me::world])
+        return [p for per_rank in self._all_gather(mine) for p in per_rank]
+
+    def _choose(self) -> Optional[tuple[CheckpointInfo, Storage]]:
+        """The checkpoint to resume from under cfg.resume, agreed on by every rank, or None."""
+        resume = self.cfg.resume
+        if resume == "never" or (resume == "auto" and self.storage is None):
+            return None
+        if resume != "auto":
+            st = open_storage(resume, self.cfg.storage_options)
+            parent = Storage(url=st.url.rstrip("/").rsplit("/", 1)[0], fs=st.fs, root=st.root.rsplit("/", 1)[0],
+                             protocol=st.protocol, options=st.options)
+            info = open_checkpoint(st) if self.rank == 0 else None
+            info = self._broadcast(info)
+            if not info.valid:
+                raise CheckpointError(f"checkpoint.resume={resume}: not a valid checkpoint ({info.reason}); "
+                                      f"point it at a committed step-* directory or use 'auto'")
+            problems = self._verified(info, parent)
+            if problems:
+                raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(problems)}")
+            return info, parent
+        assert self.storage is not None
+        gen = self._candidates() if self.rank == 0 else None
+        while True:
+            info = next(gen, None) if gen is not None else None
+            info = self._broadcast(info)
+            if info is None:
+                return None
+            problems = self._verified(info, self.storage)
+            if not problems:
+                return info, self.storage
+            reason = "; ".join(problems)
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", info.url, reason)
+                self._emit("checkpoint_skipped", url=info.url, reason=reason)
+
+    def load_latest(self, state: dict[str, Any]) -> Optional[LoadedCheckpoint]:
+        """Load the checkpoint chosen by cfg.resume into `state` (in place); None when starting fresh.
+
+        Raises CheckpointMismatchError (naming fingerprint parts and keys) when it does not fit this job,
+        StorageError when storage cannot be read, CheckpointError for an unusable `resume` URL.
+        """
+        self.wait()
+        t0 = time.monotonic()
+        try:
+            chosen = self._choose()
+        except (StorageError, CheckpointError):
+            raise
+        except OSError as e:
+            raise explain_storage_error(e, self.storage or open_storage(self.cfg.resume), "read") from None
+        if chosen is None:
+            log.info("no checkpoint to resume from (resume=%s); starting fresh", self.cfg.resume)
+            return None
+        info, storage = chosen
+        verify_s = time.monotonic() - t0
+        assert info.manifest is not None
+        md = info.manifest.metadata
+        reader = FsspecReader(info.url, **storage.options)
+        fp_diffs = compat.fingerprint_diffs(self.fingerprint, md.fingerprint)
+        absent, problems = compat.key_problems(state, reader.read_metadata())
+        compat.raise_mismatch(info.url, fp_diffs, problems)
+        version_warnings = compat.warn_versions(library_versions(), md.versions, info.url)
+        to_load = {k: v for k, v in state.items() if k not in absent}
+        try:
+            dcp.load(to_load, storage_reader=reader, process_group=self._dcp_pg, no_dist=not self._distributed)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"loading checkpoint {info.url} failed: {_short(e)}") from None
+        self._last_saved_step = md.step
+        self._last_save_time = time.monotonic()
+        log.info("resumed from %s (step %d, written at world size %d)", info.url, md.step, md.world_size)
+        self._emit("checkpoint_loaded", step=md.step, url=info.url, world_size=md.world_size, verify_s=verify_s)
+        return LoadedCheckpoint(step=md.step, world_size=md.world_size, url=info.url, metadata=md,
+                                missing_keys=absent, version_warnings=version_warnings)
+
+
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "CheckpointMismatchError"]
