@@ -175,6 +175,8 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether to save after `step`; the same answer on every rank."""
+        if self._in_flight is not None and self._in_flight.done.done():
+            self.wait()  # records the outcome (events) without blocking
         if self.storage is None or step == self._last_saved_step:
             return False
         due = self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0

@@ -1,0 +1,167 @@
+"""CheckpointManager in one process (no torch.distributed): the policy, not the multi-rank protocol."""
+
+import logging
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from elastictrain.checkpoint import commit
+from elastictrain.checkpoint.discovery import find_latest_valid
+from elastictrain.checkpoint.manager import CheckpointManager
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import CheckpointError, CheckpointMismatchError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+FP = {"model": "m1", "data": "d1", "seed": "s1"}
+
+
+def make_state(seed=0, out=4):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, out)
+    return model, {"model": model, "trainer": {"step": 0, "samples": 0}, "rng/rank0": torch.get_rng_state()}
+
+
+def manager(tmp_path, events=None, fp=FP, **kw):
+    cfg = CheckpointConfig(url=str(tmp_path / "ck"), **kw)
+    return CheckpointManager(cfg, fingerprint=fp, on_event=(lambda n, f: events.append((n, f)))
+                             if events is not None else None)
+
+
+def test_should_save_every_n_steps_and_never_twice_for_a_step(tmp_path):
+    m = manager(tmp_path, every_steps=3)
+    assert [s for s in range(0, 10) if m.should_save(s)] == [3, 6, 9]
+    _, state = make_state()
+    m.save(3, state, blocking=True)
+    assert not m.should_save(3)
+
+
+def test_should_save_every_t_seconds(tmp_path):
+    m = manager(tmp_path, every_seconds=0.2)
+    assert not m.should_save(1)
+    time.sleep(0.25)
+    assert m.should_save(2)
+
+
+def test_round_trip_restores_state_and_step_and_reports_missing_per_rank_keys(tmp_path):
+    events = []
+    m = manager(tmp_path, events, every_steps=1)
+    model, state = make_state(1)
+    state["trainer"].update(step=5, samples=80)
+    m.save(5, state)
+    m.close()
+    assert [e[0] for e in events] == ["checkpoint_saved"]
+    model2, state2 = make_state(2)
+    state2["rng/rank1"] = torch.zeros(3)  # as on a larger world: not in the checkpoint
+    loaded = manager(tmp_path).load_latest(state2)
+    assert loaded.step == 5 and loaded.world_size == 1 and loaded.metadata.fingerprint == FP
+    assert loaded.missing_keys == ["rng/rank1"]
+    assert state2["trainer"] == {"step": 5, "samples": 80}
+    assert torch.equal(model2.weight, model.weight) and torch.equal(state2["rng/rank0"], state["rng/rank0"])
+
+
+def test_async_save_snapshots_state_at_save_time(tmp_path):
+    m = manager(tmp_path)
+    model, state = make_state(3)
+    before = model.weight.detach().clone()
+    m.save(1, state)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on while the upload runs
+    m.wait()
+    model2, state2 = make_state(4)
+    manager(tmp_path).load_latest(state2)
+    assert torch.equal(model2.weight, before)
+
+
+def test_resume_never_and_resume_url(tmp_path):
+    m = manager(tmp_path, every_steps=1)
+    model, state = make_state(1)
+    m.save(1, state, blocking=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    m.save(2, state, blocking=True)
+    assert manager(tmp_path, resume="never").load_latest(make_state()[1]) is None
+    m1 = manager(tmp_path, resume=str(tmp_path / "ck" / "step-00000001"))
+    model3, state3 = make_state(9)
+    assert m1.load_latest(state3).step == 1
+    assert torch.equal(model3.weight + 1.0, model.weight)
+    with pytest.raises(CheckpointError, match="not a valid checkpoint"):
+        os.remove(tmp_path / "ck" / "step-00000001" / "COMMITTED")
+        manager(tmp_path, resume=str(tmp_path / "ck" / "step-00000001")).load_latest(state3)
+
+
+def test_fingerprint_and_shape_mismatch_is_one_clear_error_naming_parts_and_keys(tmp_path):
+    _, state = make_state()
+    manager(tmp_path).save(1, state, blocking=True)
+    _, other = make_state(out=6)
+    with pytest.raises(CheckpointMismatchError) as e:
+        manager(tmp_path, fp={**FP, "model": "m2"}).load_latest(other)
+    msg = str(e.value)
+    assert "model (checkpoint m1, this job m2)" in msg
+    assert "model.weight: checkpoint (4, 4), model (6, 4)" in msg and "model.bias" in msg
+    assert "Traceback" not in msg
+    with pytest.raises(CheckpointMismatchError, match="not in the checkpoint: extra.x"):
+        manager(tmp_path).load_latest({**make_state()[1], "extra": {"x": torch.zeros(1)}})
+
+
+def test_library_version_difference_is_a_warning(tmp_path, monkeypatch, caplog):
+    _, state = make_state()
+    manager(tmp_path).save(1, state, blocking=True)
+    import elastictrain.checkpoint.manager as mgr_mod
+    monkeypatch.setattr(mgr_mod, "library_versions", lambda: {"torch": "0.0.1"})
+    with caplog.at_level(logging.WARNING):
+        loaded = manager(tmp_path).load_latest(make_state()[1])
+    assert loaded.version_warnings and "torch" in loaded.version_warnings[0] and "other library versions" in caplog.text
+
+
+def test_failed_saves_never_raise_are_reported_and_retried_then_stop_after_the_limit(tmp_path, monkeypatch):
+    events = []
+    m = manager(tmp_path, events, max_consecutive_failures=2)
+    _, state = make_state()
+    broken = {"on": True}
+
+    def disk_full(phase, rank):
+        if phase == "before_data" and broken["on"]:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit, "PHASE_HOOK", disk_full)
+    m.save(1, state)                    # async: failure surfaces when it completes
+    assert m.save(2, state, blocking=True) is False
+    assert [e[0] for e in events] == ["checkpoint_failed", "checkpoint_failed"]
+    assert "no space left" in events[0][1]["error"] and events[1][1]["consecutive"] == 2
+    with pytest.raises(CheckpointError, match="2 checkpoint saves in a row failed"):
+        m.save(3, state)
+    broken["on"] = False
+    m2 = manager(tmp_path, events, max_consecutive_failures=2)
+    m2.save(4, state, blocking=True)
+    assert find_latest_valid(m2.storage).step == 4 and m2.consecutive_failures == 0
+
+
+def test_failed_save_leaves_nothing_loadable_and_the_previous_checkpoint_is_used(tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    model, state = make_state(1)
+    m.save(1, state, blocking=True)
+    w1 = model.weight.detach().clone()
+
+    def die_before_marker(phase, rank):
+        if phase == "after_manifest":
+            raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(commit, "PHASE_HOOK", die_before_marker)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert m.save(2, state, blocking=True) is False
+    monkeypatch.setattr(commit, "PHASE_HOOK", None)
+    model2, state2 = make_state(2)
+    assert manager(tmp_path).load_latest(state2).step == 1
+    assert torch.equal(model2.weight, w1)
+
+
+def test_storage_problem_at_startup_is_a_clear_storage_error(tmp_path):
+    (tmp_path / "ck").write_text("a file where the directory should be")
+    from elastictrain.errors import StorageError
+    with pytest.raises(StorageError, match="not writable"):
+        manager(tmp_path)
+    shutil.rmtree(tmp_path, ignore_errors=True)
