@@ -95,9 +95,14 @@ class EtcdClient:
                                  time_retry=_ENDPOINT_RETRY_S)
             for ep in s.endpoints
         ]  # fmt: skip
-        return MultiEndpointEtcd3Client(
+        client = MultiEndpointEtcd3Client(
             endpoints=endpoints, timeout=timeout, user=s.user, password=s.password, failover=True
         )
+        if not s.tls:
+            # gRPC refuses call credentials on a plain channel; the auth token still travels as
+            # metadata, which is all etcd reads.
+            client.call_credentials = None
+        return client
 
     def _raw(self) -> MultiEndpointEtcd3Client:
         with self._lock:

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,9 @@ class EmbeddedEtcd:
         data_dir: str | None = None,
         extra_args: list[str] | None = None,
         startup_timeout: float = 20.0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
@@ -65,11 +69,19 @@ class EmbeddedEtcd:
         self._startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = os.path.join(self.data_dir, "etcd.log")
+        # Serving https needs a certificate and key; tls_ca also makes it demand client certificates.
+        self._tls = (tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
+        self._scheme = "https" if self._tls else "http"
 
     @property
     def endpoint(self) -> str:
         """`host:port` of the client URL, the form `--rdzv-endpoint` takes."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The client URL (http:// or https://)."""
+        return f"{self._scheme}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -80,7 +92,7 @@ class EmbeddedEtcd:
         """Start the server and block until its /health endpoint answers."""
         if self._proc is not None and self._proc.poll() is None:
             return self
-        client_url = f"http://{self.host}:{self.port}"
+        client_url = f"{self._scheme}://{self.host}:{self.port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
             find_etcd_binary(),
@@ -94,6 +106,11 @@ class EmbeddedEtcd:
             "--log-level", "warn",
             *self._extra_args,
         ]  # fmt: skip
+        if self._tls:
+            cert, key, ca = self._tls
+            cmd += ["--cert-file", str(cert), "--key-file", str(key)]
+            if ca:
+                cmd += ["--client-cert-auth", "--trusted-ca-file", str(ca)]
         log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,7 +122,15 @@ class EmbeddedEtcd:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
-        url = f"http://{self.host}:{self.port}/health"
+        url = f"{self._scheme}://{self.host}:{self.port}/health"
+        context = None
+        if self._tls:
+            # Only asks "is it up"; the loopback server is ours, so its certificate is not checked here.
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            if self._tls[2]:
+                context.load_cert_chain(str(self._tls[0]), str(self._tls[1]))
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
@@ -113,7 +138,7 @@ class EmbeddedEtcd:
                     f"embedded etcd exited with code {self._proc.returncode} at start; see {self._log_path}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback only
+                with urllib.request.urlopen(url, timeout=1, context=context) as resp:  # noqa: S310 - loopback
                     if b'"health":"true"' in resp.read():
                         return
             except (urllib.error.URLError, OSError):

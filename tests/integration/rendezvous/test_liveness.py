@@ -1,0 +1,59 @@
+"""Lease-bound node records: peers see a lost node within about one lease TTL."""
+
+from __future__ import annotations
+
+import time
+
+from elastictrain.rendezvous.liveness import NodeLiveness
+
+
+def _wait_for(predicate, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def test_peers_see_each_other_and_a_clean_stop_at_once(make_client, etcd, run_id) -> None:
+    prefix = f"/elastictrain/{run_id}/nodes"
+    a = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "a", ttl=2)
+    b = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "b", ttl=2)
+    a.start()
+    b.start()
+    _wait_for(lambda: a.alive_nodes() == {"a", "b"}, 5)
+    b.stop()  # revokes the lease
+    assert _wait_for(lambda: "b" not in a.alive_nodes(), 5) < 1.0
+    assert a.lost({"a", "b"}) == {"b"}
+    a.stop()
+
+
+def test_a_node_that_stops_refreshing_is_lost_after_its_ttl(make_client, etcd, run_id) -> None:
+    prefix = f"/elastictrain/{run_id}/nodes"
+    survivor = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "survivor", ttl=2)
+    victim = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "victim", ttl=2)
+    survivor.start()
+    victim.start()
+    _wait_for(lambda: "victim" in survivor.alive_nodes(), 5)
+    # Simulate SIGKILL: the keep-alive thread stops, nobody revokes the lease.
+    victim._stop.set()
+    start = time.monotonic()
+    _wait_for(lambda: "victim" not in survivor.alive_nodes(), 10)
+    elapsed = time.monotonic() - start
+    assert 1.0 < elapsed < 4.5, elapsed  # ttl 2 s (+ the keep-alive period it had left)
+    assert survivor.lost({"victim", "survivor"}) == {"victim"}
+    survivor.stop()
+
+
+def test_a_cache_miss_is_confirmed_against_etcd_before_declaring_a_node_lost(make_client, etcd, run_id) -> None:
+    prefix = f"/elastictrain/{run_id}/nodes"
+    a = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "a", ttl=5)
+    a.start()
+    # A record the watch has not delivered yet must not count as lost.
+    make_client(etcd.endpoint, run_id).put(f"{prefix}/fresh", b"{}")
+    with a._alive_lock:
+        a._alive.discard("fresh")
+    assert a.lost({"fresh"}) == set()
+    assert a.lost({"never-registered"}) == {"never-registered"}
+    a.stop()

@@ -1,0 +1,16 @@
+"""The `etcd3` handler is reachable the way torchrun looks it up (no etcd needed)."""
+
+from __future__ import annotations
+
+from elastictrain.rendezvous.handler import create_handler
+
+
+def test_entry_point_called_without_arguments_returns_the_creator() -> None:
+    # torch's registry calls the loaded entry point with no argument to obtain the creator.
+    assert create_handler() is create_handler
+
+
+def test_torch_registry_knows_etcd3_once_installed() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    assert rendezvous_handler_registry.create_handler.__self__._registry["etcd3"] is create_handler
