@@ -89,6 +89,9 @@ class TrainConfig:
     """Process-group timeout; the agent's hang detection usually fires long before."""
     output_dir: str = "runs/default"
     """Where the run writes its summary (JSON) and, with audit_samples, its sample ledger."""
+    stop_at: int = 0
+    """Leave (saving a checkpoint) once this global step is done, e.g. before maintenance; the LR schedule
+    still spans train.steps. 0: run to train.steps."""
     audit_samples: bool = False
     """Append every step's consumed sample ids per rank to <output_dir>/samples/ (exactly-once audits)."""
 
@@ -370,6 +373,8 @@ def validate(cfg: JobConfig) -> None:
                           "and join_grace_s >= 0")
     if e.max_restarts < 0:
         raise ConfigError(f"elastic.max_restarts must be >= 0 (got {e.max_restarts})")
+    if t.stop_at < 0:
+        raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
     if t.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():

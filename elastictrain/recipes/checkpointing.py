@@ -2,13 +2,59 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+from typing import TYPE_CHECKING, Any, Optional
 
+from elastictrain.checkpoint.manager import CheckpointManager
 from elastictrain.config import JobConfig
 from elastictrain.runtime.session import Session
 
+if TYPE_CHECKING:
+    from elastictrain.recipes.lm import Trainer
 
-def make_checkpointer(cfg: JobConfig, trainer: Any, session: Session) -> Optional[Any]:
+log = logging.getLogger(__name__)
+
+
+def _log_event(name: str, fields: dict[str, Any]) -> None:
+    log.debug("event %s %s", name, fields, extra={"fields": {"event": name, **fields}})
+
+
+class RecipeCheckpointer:
+    """Saves the Trainer's state on the configured schedule, at the end, and on a requested stop."""
+
+    def __init__(self, cfg: JobConfig, trainer: "Trainer", session: Session):
+        self.cfg = cfg.checkpoint
+        self.mgr = CheckpointManager(
+            cfg.checkpoint, fingerprint=cfg.fingerprint(), rank=session.rank, world_size=session.world_size,
+            on_event=_log_event, extra_metadata={"hf_config": trainer.model.config.to_dict()})
+        self._last_saved: Optional[int] = None
+
+    def restore(self, trainer: "Trainer") -> Optional[str]:
+        """Load the newest valid checkpoint into the trainer; returns its URL, or None when starting fresh."""
+        loaded = self.mgr.load_latest(trainer.state())
+        if loaded is None:
+            return None
+        self._last_saved = loaded.step
+        if loaded.missing_keys or loaded.world_size != trainer.session.world_size:
+            # This rank's RNG was not in the checkpoint (another world size): derive it from (seed, step, rank).
+            trainer.reseed_for_new_world()
+        return loaded.url
+
+    def after_step(self, trainer: "Trainer", *, final: bool, stopping: bool) -> None:
+        step = trainer.step
+        if (final or stopping) and self.cfg.save_on_exit:
+            if self._last_saved != step:
+                self.mgr.save(step, trainer.state(), blocking=True)
+                self._last_saved = step
+        elif self.mgr.should_save(step):
+            self.mgr.save(step, trainer.state())
+            self._last_saved = step
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def make_checkpointer(cfg: JobConfig, trainer: "Trainer", session: Session) -> Optional[RecipeCheckpointer]:
     if cfg.checkpoint.url is None:
         return None
-    raise NotImplementedError("checkpointing is being wired in")
+    return RecipeCheckpointer(cfg, trainer, session)

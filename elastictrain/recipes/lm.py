@@ -193,7 +193,8 @@ class Trainer:
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         t0 = time.monotonic()
         stopped_early = False
-        while self.step < t.steps:
+        end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        while self.step < end:
             ts = time.monotonic()
             red = self.train_step()
             loss_sum, stop = red.tolist()
@@ -203,13 +204,13 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            if self.step % t.log_every == 0 or self.step == end:
                 recent = step_times[-t.log_every:]
                 st = statistics.median(recent)
                 log.info("step %d/%d loss %.4f lr %.2e step_time %.3fs tokens/s %.0f", self.step, t.steps, loss,
                          self.scheduler.get_last_lr()[0], st, tokens_per_step / st)
             if self.checkpointer is not None:
-                self.checkpointer.after_step(self, final=self.step == t.steps, stopping=bool(stop))
+                self.checkpointer.after_step(self, final=self.step == end, stopping=bool(stop))
             if stop:
                 stopped_early = True
                 log.warning("stop requested: leaving at step %d", self.step)

@@ -41,3 +41,34 @@ def run_recipe(out: Path, nproc: int, overrides: list[str], timeout: float = 300
     r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
     return json.loads((out / "summary.json").read_text())
+
+
+def start_recipe(out: Path, nproc: int, overrides: list[str],
+                 extra_torchrun: Optional[list[str]] = None) -> subprocess.Popen:
+    """Start a run in the background (its own session, so a test can signal the whole tree)."""
+    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "launcher.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the recipe workers below a launcher process."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if "elastictrain.recipes.lm" in " ".join(p.cmdline()):
+                out[int(p.environ()["RANK"])] = p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+            continue
+    return out
+
+
+def ledger_max_step(out: Path) -> int:
+    from elastictrain.runtime.audit import read_records
+
+    recs = read_records(out / "samples") if (out / "samples").exists() else []
+    return max((r["step"] for r in recs), default=-1)
