@@ -1,0 +1,291 @@
+"""Our elastic agent: torch's LocalElasticAgent plus worker heartbeats, hang detection and agent events.
+
+A subclass rather than a wrapper: torch's run loop (rendezvous, restart budget, membership changes, exit
+barrier, signal handling) is what we want; we only change how a group is judged (``_monitor_workers``),
+how a hung group is stopped (``_stop_workers``) and what is reported. The rendezvous stays whatever
+``spec.rdzv_handler`` is (c10d, etcd3, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import asdict, replace
+from typing import Any, Callable, Protocol, Sequence
+
+import psutil
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
+from elastictrain.errors import AgentError
+from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
+
+log = logging.getLogger(__name__)
+
+MAX_MONITOR_INTERVAL_S = 0.5
+"""A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
+
+_MAX_DRAIN = 10_000
+_UNIX_PATH_MAX = 107
+
+EVENT_KINDS = ("join", "restart", "failure", "hang", "succeeded", "leave")
+"""Kinds passed to ``AgentEventListener.on_event``."""
+
+
+class AgentEventListener(Protocol):
+    """Receives agent events (see ``EVENT_KINDS``); the etcd status/event publisher implements this.
+
+    Called on the agent's monitor thread: return quickly. Exceptions are logged and swallowed, since
+    a failing publisher (etcd down) must never stop training.
+    """
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None: ...
+
+
+class JsonlEventLog:
+    """Appends events as JSON lines to a local file (operators and tests; etcd comes later)."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._lock = threading.Lock()
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        line = json.dumps({"kind": kind, **fields}, default=str)
+        with self._lock, open(self._path, "a") as f:
+            f.write(line + "\n")
+
+
+class _HeartbeatChannel:
+    """The agent end of the heartbeat socket: bound in a private 0700 directory, drained without blocking."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="elastictrain-hb-")
+        self.addr = os.path.join(self._dir, "hb.sock")
+        if len(self.addr) > _UNIX_PATH_MAX:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise AgentError(f"heartbeat socket path {self.addr!r} is longer than {_UNIX_PATH_MAX} bytes; "
+                             "set TMPDIR to a shorter directory")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.addr)
+        self._sock.setblocking(False)
+
+    def drain(self) -> list[Beat]:
+        beats: list[Beat] = []
+        for _ in range(_MAX_DRAIN):
+            try:
+                data = self._sock.recv(256)
+            except BlockingIOError:
+                break
+            try:
+                beats.append(Beat.unpack(data))
+            except ValueError as e:
+                log.debug("ignoring datagram on heartbeat socket: %s", e)
+        return beats
+
+    def close(self) -> None:
+        self._sock.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ElasticAgent(LocalElasticAgent):
+    """LocalElasticAgent whose workers heartbeat to it; a hang fails the group like a crash does."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        health: HealthConfig | None = None,
+        listeners: Sequence[AgentEventListener] = (),
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: int = 30,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        super().__init__(spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout,
+                         log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
+        self._health = HealthMonitor(health or HealthConfig())
+        self._listeners: list[AgentEventListener] = list(listeners)
+        self._clock = clock
+        self._channel: _HeartbeatChannel | None = None
+        self._pending_hang: list[Hang] = []
+        self._hostname = socket.gethostname()
+        if spec.monitor_interval > MAX_MONITOR_INTERVAL_S:
+            log.warning("monitor interval %.2fs is above %.1fs: worker exits will be noticed late",
+                        spec.monitor_interval, MAX_MONITOR_INTERVAL_S)
+
+    def add_listener(self, listener: AgentEventListener) -> None:
+        self._listeners.append(listener)
+
+    def worker_health(self) -> dict[int, WorkerHealth]:
+        """A copy of the last heartbeat state per local rank (for status publishing)."""
+        return {lr: replace(w) for lr, w in self._health.workers.items()}
+
+    def step_time(self) -> float | None:
+        """The calibrated step time (p95 by default), None until enough steps were seen."""
+        return self._health.step_time()
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        self._ensure_channel()
+        outcome = "error"
+        try:
+            result = super().run(role)
+            outcome = result.state.value if result is not None else "rendezvous closed"
+            return result
+        except SignalException as e:
+            outcome = f"signal {e.sigval.name}"
+            raise
+        finally:
+            self._emit("leave", outcome=outcome)
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+    def _ensure_channel(self) -> _HeartbeatChannel:
+        if self._channel is None:
+            self._channel = _HeartbeatChannel()
+        return self._channel
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        channel = self._ensure_channel()
+        # The same two values for every local worker, and SubprocessHandler / spawn both pass the agent's
+        # environment on: setting them here needs no copy of torch's per-worker env construction.
+        os.environ[ENV_HEARTBEAT_ADDR] = channel.addr
+        os.environ[ENV_AGENT_PID] = str(os.getpid())
+        channel.drain()
+        self._pending_hang = []
+        pids = super()._start_workers(worker_group)
+        self._health.reset(pids, self._clock())
+        return pids
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        super()._initialize_workers(worker_group)
+        workers = worker_group.workers
+        self._emit("join", group_world_size=worker_group.group_world_size,
+                   world_size=workers[0].world_size if workers else 0,
+                   local_world_size=worker_group.spec.local_world_size,
+                   pids={w.local_rank: w.id for w in workers},
+                   global_ranks={w.local_rank: w.global_rank for w in workers})
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
+        self._emit("restart", reason="failure" if failed else "membership change",
+                   remaining_restarts=self._remaining_restarts)
+        super()._restart_workers(worker_group)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        if self._pending_hang:
+            # A SIGSTOPped worker ignores SIGTERM until continued, and a worker blocked in a collective runs
+            # no Python signal handler: both would cost torch's whole shutdown timeout. Kill the group.
+            self._signal_workers(signal.SIGKILL)
+            self._pending_hang = []
+        super()._stop_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Continue stopped workers so that the graceful signal can reach them before the SIGKILL deadline.
+        self._signal_workers(signal.SIGCONT)
+        super()._shutdown(death_sig, timeout)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            now = self._clock()
+            if self._channel is not None:
+                for beat in self._channel.drain():
+                    self._health.record(beat, now)
+            hangs = self._health.check(now)
+            if hangs:
+                running = self._running_local_ranks()
+                hangs = [h for h in hangs if h.local_rank in running]
+            if hangs:
+                return self._hang_result(worker_group, hangs)
+        elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
+            failures = [_failure_fields(rank, f) for rank, f in sorted(result.failures.items())]
+            cause = "; ".join(f"rank {f['global_rank']}: {f['message']}" for f in failures) or result.state.value
+            log.error("[%s] worker group %s: %s", worker_group.spec.role, result.state.value, cause)
+            self._emit("failure", state=result.state.value, cause=cause, failures=failures)
+        elif result.state == WorkerState.SUCCEEDED:
+            self._emit("succeeded")
+        return result
+
+    def _hang_result(self, worker_group: WorkerGroup, hangs: list[Hang]) -> RunResult:
+        causes = [f"{h.describe()}, process {_process_state(h.pid)}" for h in hangs]
+        cause = "; ".join(causes)
+        log.error("[%s] worker group hung: %s; stopping it with SIGKILL", worker_group.spec.role, cause)
+        self._pending_hang = hangs
+        self._emit("hang", cause=cause, workers=[asdict(h) for h in hangs])
+        failures: dict[int, ProcessFailure] = {}
+        for h, text in zip(hangs, causes):
+            worker = worker_group.workers[h.local_rank]
+            # exitcode: what the restart path is about to do to it; the message says why.
+            failure = ProcessFailure(local_rank=h.local_rank, pid=h.pid, exitcode=-int(signal.SIGKILL),
+                                     error_file="")
+            failure.message = f"hang: {text}"
+            failures[worker.global_rank] = failure
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _running_local_ranks(self) -> set[int]:
+        running = set()
+        for lr, pid in self._worker_pids().items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.add(lr)
+            except psutil.NoSuchProcess:
+                continue
+        return running
+
+    def _worker_pids(self) -> dict[int, int]:
+        return self._pcontext.pids() if self._pcontext is not None else {}
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        for pid in self._worker_pids().values():
+            try:
+                # Binary workers lead their own session (torch starts them so): signal their children too.
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                continue
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        wg = self._worker_group
+        base: dict[str, Any] = {
+            "time": time.time(),
+            "node": self._hostname,
+            "agent_pid": os.getpid(),
+            "run_id": wg.spec.rdzv_handler.get_run_id(),
+            "group_rank": wg.group_rank,
+            "restart_count": wg.spec.max_restarts - self._remaining_restarts,
+        }
+        base.update(fields)
+        for listener in self._listeners:
+            try:
+                listener.on_event(kind, base)
+            except Exception:
+                log.exception("agent event listener %r failed on %s event", listener, kind)
+
+
+def _failure_fields(global_rank: int, failure: ProcessFailure) -> dict[str, Any]:
+    return {"global_rank": global_rank, "local_rank": failure.local_rank, "pid": failure.pid,
+            "exitcode": failure.exitcode,
+            "signal": failure.signal_name() if failure.exitcode < 0 else None, "message": failure.message}
+
+
+def _process_state(pid: int) -> str:
+    try:
+        return f"state '{psutil.Process(pid).status()}'"
+    except psutil.NoSuchProcess:
+        return "gone"

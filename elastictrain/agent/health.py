@@ -1,0 +1,169 @@
+"""Worker health: last heartbeat per local worker, and the hang rule. Pure logic; the caller passes the clock.
+
+Rule: a running worker is hung when it has made no progress for longer than the timeout of its phase:
+  - never beat since it started:          ``startup_timeout_s``
+  - train, calibrated (enough step times): ``max(hang_floor_s, step_time_multiplier x p95 step time)``
+  - train, not yet calibrated:             ``warmup_timeout_s`` (first steps may compile, warm caches)
+  - init / load / save / paused:          their own allowance (never below the floor)
+Progress in ``train`` means a higher step; in the other phases any beat counts, since they do not advance steps.
+Step times are (time, step) deltas between consecutive train beats, pooled over the node's workers
+(they step in lockstep) and reset with every new worker group (the world size, hence step time, may change).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from elastictrain.runtime.heartbeat import Beat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Hang detection settings; the defaults are the documented ones (docs/agent.md)."""
+
+    enabled: bool = True
+    hang_floor_s: float = 30.0
+    step_time_multiplier: float = 5.0
+    step_time_quantile: float = 0.95
+    calibration_min_steps: int = 5
+    calibration_window: int = 200
+    startup_timeout_s: float = 300.0
+    warmup_timeout_s: float = 600.0
+    init_timeout_s: float = 600.0
+    load_timeout_s: float = 900.0
+    save_timeout_s: float = 900.0
+    paused_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        from elastictrain.errors import ConfigError
+
+        for name in ("hang_floor_s", "step_time_multiplier", "startup_timeout_s", "warmup_timeout_s",
+                     "init_timeout_s", "load_timeout_s", "save_timeout_s", "paused_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"health.{name} must be > 0, got {getattr(self, name)}; "
+                                  "to turn hang detection off set enabled=False (--heartbeat-timeout 0)")
+        if not 0 < self.step_time_quantile <= 1:
+            raise ConfigError(f"health.step_time_quantile must be in (0, 1], got {self.step_time_quantile}")
+        if self.calibration_min_steps < 1 or self.calibration_window < self.calibration_min_steps:
+            raise ConfigError("health.calibration_window must be >= calibration_min_steps >= 1, got "
+                              f"{self.calibration_window} and {self.calibration_min_steps}")
+
+
+@dataclass
+class WorkerHealth:
+    """What the agent knows about one local worker in the current group."""
+
+    local_rank: int
+    pid: int
+    started: float
+    step: int | None = None
+    phase: str | None = None
+    last_beat: float | None = None
+    last_progress: float | None = None
+    # worker-clock time and step of the previous train beat, the baseline of the next step-time sample
+    train_mark: tuple[float, int] | None = None
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A worker judged hung: enough to say what happened and to act on it."""
+
+    local_rank: int
+    pid: int
+    phase: str | None
+    step: int | None
+    silent_s: float
+    timeout_s: float
+    rule: str
+
+    def describe(self) -> str:
+        if self.phase is None:
+            return (f"local_rank {self.local_rank} (pid {self.pid}) sent no heartbeat within {self.silent_s:.1f}s "
+                    f"of starting ({self.rule})")
+        return (f"local_rank {self.local_rank} (pid {self.pid}) made no progress for {self.silent_s:.1f}s "
+                f"in phase '{self.phase}' at step {self.step} ({self.rule})")
+
+
+@dataclass
+class HealthMonitor:
+    """Tracks heartbeats of the current worker group and judges hangs at a given time."""
+
+    config: HealthConfig = field(default_factory=HealthConfig)
+    workers: dict[int, WorkerHealth] = field(default_factory=dict)
+    _step_times: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._step_times = deque(maxlen=self.config.calibration_window)
+
+    def reset(self, pids: Mapping[int, int], now: float) -> None:
+        """Start watching a new worker group (local_rank -> pid), started at ``now``."""
+        self.workers = {lr: WorkerHealth(local_rank=lr, pid=pid, started=now) for lr, pid in pids.items()}
+        self._step_times.clear()
+
+    def record(self, beat: Beat, now: float) -> bool:
+        """Take one beat received at ``now``; False when it is not from a current worker (stale, foreign)."""
+        w = self.workers.get(beat.local_rank)
+        if w is None or w.pid != beat.pid:
+            return False
+        if beat.phase == "train":
+            progressed = w.phase != "train" or w.step is None or beat.step > w.step
+            mark = w.train_mark
+            if mark is None or beat.step > mark[1]:
+                if mark is not None and beat.time >= mark[0]:
+                    self._step_times.append((beat.time - mark[0]) / (beat.step - mark[1]))
+                w.train_mark = (beat.time, beat.step)
+        else:
+            # a new train baseline after any other phase: a save or load is not a step
+            progressed = True
+            w.train_mark = None
+        w.phase, w.step, w.last_beat = beat.phase, beat.step, now
+        if progressed:
+            w.last_progress = now
+        return True
+
+    def step_time(self) -> float | None:
+        """The calibrating quantile of observed step times, or None until enough steps were seen."""
+        if len(self._step_times) < self.config.calibration_min_steps:
+            return None
+        ordered = sorted(self._step_times)
+        return ordered[max(0, math.ceil(self.config.step_time_quantile * len(ordered)) - 1)]
+
+    def timeout_for(self, phase: str | None) -> tuple[float, str]:
+        """The hang timeout for a worker in ``phase`` (None: not yet beaten) and the rule that set it."""
+        c = self.config
+        if phase is None:
+            return c.startup_timeout_s, f"startup allowance {c.startup_timeout_s:g}s"
+        if phase == "train":
+            st = self.step_time()
+            if st is None:
+                t = max(c.hang_floor_s, c.warmup_timeout_s)
+                return t, f"warm-up allowance {t:g}s, step time not calibrated yet"
+            t = max(c.hang_floor_s, c.step_time_multiplier * st)
+            return t, (f"timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
+                       f"{c.step_time_multiplier:g} x p{round(c.step_time_quantile * 100)} step time {st:.3f}s)")
+        allowance = {"init": c.init_timeout_s, "load": c.load_timeout_s, "save": c.save_timeout_s,
+                     "paused": c.paused_timeout_s}[phase]
+        t = max(c.hang_floor_s, allowance)
+        return t, f"{phase} allowance {t:g}s"
+
+    def check(self, now: float, running: set[int] | None = None) -> list[Hang]:
+        """Hung workers at ``now``, among the local ranks in ``running`` (default: all)."""
+        if not self.config.enabled:
+            return []
+        hangs = []
+        for lr, w in self.workers.items():
+            if running is not None and lr not in running:
+                continue
+            since = w.started if w.last_progress is None else w.last_progress
+            timeout, rule = self.timeout_for(w.phase)
+            silent = now - since
+            if silent > timeout:
+                hangs.append(Hang(local_rank=lr, pid=w.pid, phase=w.phase, step=w.step, silent_s=silent,
+                                  timeout_s=timeout, rule=rule))
+        return hangs

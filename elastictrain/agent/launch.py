@@ -1,0 +1,232 @@
+"""Start our agent on this node: torchrun's flags and launch sequence, our agent and health flags.
+
+``python -m elastictrain.agent.launch [torchrun flags] [--heartbeat-* flags] script.py args...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from torch.distributed.elastic import events, metrics
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import config_from_args, get_args_parser as torchrun_args_parser
+
+from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
+from elastictrain.agent.health import HealthConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MONITOR_INTERVAL_S = 0.1
+"""How often the agent polls its workers (exit detection latency) and drains heartbeats."""
+
+_DEFAULT_HEALTH = HealthConfig()
+
+
+@dataclass
+class LaunchRequest:
+    """A parsed command line: torch's launch config, the worker command, our health settings."""
+
+    config: LaunchConfig
+    entrypoint: Callable[..., Any] | str
+    args: list[str]
+    health: HealthConfig
+    event_log: str | None = None
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (every torchrun flag carries over) plus the heartbeat flags."""
+    parser = torchrun_args_parser()
+    parser.prog = "elastictrain run"
+    parser.set_defaults(monitor_interval=DEFAULT_MONITOR_INTERVAL_S)
+    g = parser.add_argument_group("elastictrain worker health")
+    g.add_argument("--heartbeat-timeout", type=float, default=_DEFAULT_HEALTH.hang_floor_s,
+                   help="floor (s) of the train-phase hang timeout max(floor, multiplier x p95 step time); "
+                        "0 turns hang detection off (default %(default)s)")
+    g.add_argument("--heartbeat-step-multiplier", type=float, default=_DEFAULT_HEALTH.step_time_multiplier,
+                   help="train-phase hang timeout in units of the p95 step time (default %(default)s)")
+    g.add_argument("--heartbeat-startup-timeout", type=float, default=_DEFAULT_HEALTH.startup_timeout_s,
+                   help="seconds a worker may take to send its first heartbeat (default %(default)s)")
+    g.add_argument("--heartbeat-warmup-timeout", type=float, default=_DEFAULT_HEALTH.warmup_timeout_s,
+                   help="train-phase timeout before the step time is calibrated (default %(default)s)")
+    g.add_argument("--heartbeat-init-timeout", type=float, default=_DEFAULT_HEALTH.init_timeout_s,
+                   help="allowance for the init and paused phases (default %(default)s)")
+    g.add_argument("--heartbeat-load-timeout", type=float, default=_DEFAULT_HEALTH.load_timeout_s,
+                   help="allowance for the load phase (default %(default)s)")
+    g.add_argument("--heartbeat-save-timeout", type=float, default=_DEFAULT_HEALTH.save_timeout_s,
+                   help="allowance for the save phase (default %(default)s)")
+    g.add_argument("--event-log", default=None,
+                   help="append agent events (join, restart, failure, hang, ...) as JSON lines to this file")
+    return parser
+
+
+def health_from_args(args: argparse.Namespace) -> HealthConfig:
+    enabled = args.heartbeat_timeout > 0
+    return HealthConfig(
+        enabled=enabled,
+        hang_floor_s=args.heartbeat_timeout if enabled else _DEFAULT_HEALTH.hang_floor_s,
+        step_time_multiplier=args.heartbeat_step_multiplier,
+        startup_timeout_s=args.heartbeat_startup_timeout,
+        warmup_timeout_s=args.heartbeat_warmup_timeout,
+        init_timeout_s=args.heartbeat_init_timeout,
+        paused_timeout_s=args.heartbeat_init_timeout,
+        load_timeout_s=args.heartbeat_load_timeout,
+        save_timeout_s=args.heartbeat_save_timeout,
+    )
+
+
+def parse_args(argv: Sequence[str]) -> LaunchRequest:
+    """Parse a torchrun-style command line (with our flags) into a launch request."""
+    args = get_args_parser().parse_args(list(argv))
+    # torchrun's run() rewrites these before building the config; do the same so the flags mean the same.
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, entrypoint, cmd_args = config_from_args(args)
+    return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health_from_args(args),
+                         event_log=args.event_log)
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: Sequence[Any],
+    *,
+    health: HealthConfig | None = None,
+    listeners: Sequence[AgentEventListener] = (),
+) -> dict[int, Any]:
+    """Run our agent until the worker group finishes, like torch's ``launch_agent``.
+
+    Returns the workers' return values by global rank; raises ChildFailedError when the group failed
+    with no restarts left, SignalException when the agent was signalled.
+    """
+    # Workers must not reuse the agent's TCPStore: restarts and scale-up then fail on its stale keys.
+    if os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1") != "1":
+        log.warning("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=%s is set: restarts may fail on stale store keys",
+                    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"])
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("no --rdzv-id given; generated run id %s", config.run_id)
+
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _static_master(rdzv_parameters)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = ElasticAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
+        health=health,
+        listeners=listeners,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout if config.shutdown_timeout is not None else 30,
+    )
+    log.info("starting agent: nodes %d..%d, %d workers per node, rdzv %s at %r (run %s), max restarts %d, "
+             "health %s", config.min_nodes, config.max_nodes, config.nproc_per_node, config.rdzv_backend,
+             config.rdzv_endpoint, config.run_id, config.max_restarts, health or HealthConfig())
+
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            raise ChildFailedError(name=_entrypoint_name(entrypoint, list(args)), failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except SignalException:
+        # Shutting the rendezvous down would close this run id for good: a signalled node must be able to re-join.
+        shutdown_rdzv = False
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    except Exception:
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+def run(argv: Sequence[str]) -> dict[int, Any]:
+    """Parse a torchrun-style command line and launch; see ``launch``."""
+    request = parse_args(argv)
+    listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
+    return launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: 0 when the worker group succeeded, 1 otherwise."""
+    logging.basicConfig(level=os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        log.error("worker group failed; first failure rank %s: %s", rank, failure.message)
+        return 1
+    return 0
+
+
+def _static_master(params: RendezvousParameters) -> tuple[str | None, int | None]:
+    """MASTER_ADDR/PORT come from the endpoint only for the static backend (as in torch's launcher)."""
+    if params.backend != "static":
+        return None, None
+    endpoint = params.endpoint.strip()
+    if not endpoint:
+        raise ValueError("the static rendezvous needs an endpoint: pass --master-addr and --master-port")
+    addr, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    if port == -1:
+        raise ValueError(f"port is missing in rendezvous endpoint {endpoint!r}: pass --master-port")
+    return addr, port
+
+
+def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
+    if callable(entrypoint):
+        return getattr(entrypoint, "__name__", repr(entrypoint))
+    if entrypoint == sys.executable:
+        return next((str(a) for a in args if not str(a).startswith("-")), "")
+    return entrypoint
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Our agent against real worker faults on localhost (c10d standalone rendezvous, 2 gloo workers).
+
+Each test runs ``python -m elastictrain.agent.launch`` as a subprocess with tests/integration/agent/worker.py,
+injects one fault into the first worker group and reads the agent's JSONL event log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+WORKER = Path(__file__).with_name("worker.py")
+HANG_FLOOR_S = 2.0
+
+
+class AgentRun:
+    """One agent subprocess, its progress dir and event log; kills what is left of it at the end."""
+
+    def __init__(self, tmp: Path, steps: int, max_restarts: int = 1):
+        self.progress = tmp / "progress"
+        self.progress.mkdir()
+        self.events_path = tmp / "events.jsonl"
+        self.log_path = tmp / "agent.log"
+        cmd = [sys.executable, "-m", "elastictrain.agent.launch", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", str(max_restarts), "--heartbeat-timeout", str(HANG_FLOOR_S),
+               "--event-log", str(self.events_path),
+               str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", "0.05"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self._seen_pids: set[int] = set()
+
+    def progress_of(self, rank: int) -> dict | None:
+        try:
+            data = json.loads((self.progress / f"rank{rank}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        self._seen_pids.add(data["pid"])
+        return data
+
+    def wait_for_step(self, step: int, restart: int = 0, timeout: float = 60.0) -> dict[int, dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ps = {r: self.progress_of(r) for r in (0, 1)}
+            if all(p and p["restart"] == restart and p["step"] >= step for p in ps.values()):
+                return ps  # type: ignore[return-value]
+            assert self.proc.poll() is None, f"agent exited early:\n{self.log()}"
+            time.sleep(0.02)
+        raise AssertionError(f"workers did not reach step {step} of restart {restart}:\n{self.log()}")
+
+    def wait(self, timeout: float = 90.0) -> int:
+        return self.proc.wait(timeout)
+
+    def events(self) -> list[dict]:
+        if not self.events_path.exists():
+            return []
+        return [json.loads(line) for line in self.events_path.read_text().splitlines()]
+
+    def first(self, kind: str) -> dict:
+        found = [e for e in self.events() if e["kind"] == kind]
+        assert found, f"no {kind!r} event in {self.events()}\n{self.log()}"
+        return found[0]
+
+    def done(self) -> dict[int, dict]:
+        return {r: json.loads((self.progress / f"rank{r}.done").read_text()) for r in (0, 1)}
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def cleanup(self) -> None:
+        for pid in [self.proc.pid, *self._seen_pids]:
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def agent_run(tmp_path):
+    runs: list[AgentRun] = []
+
+    def start(**kw) -> AgentRun:
+        run = AgentRun(tmp_path, **kw)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.cleanup()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_sigstopped_worker_is_detected_as_hang_and_group_restarts_and_finishes(agent_run):
+    run = agent_run(steps=60)
+    victim = run.wait_for_step(15)[1]["pid"]
+    t_fault = time.time()
+    os.kill(victim, signal.SIGSTOP)
+
+    assert run.wait() == 0, run.log()
+    hang = run.first("hang")
+    detect_s = hang["time"] - t_fault
+    print(f"hang detected {detect_s:.2f}s after SIGSTOP: {hang['cause']}")
+    assert HANG_FLOOR_S * 0.9 < detect_s < 15.0
+    assert any(w["pid"] == victim for w in hang["workers"])
+    assert "'stopped'" in hang["cause"]
+    assert run.first("restart")["reason"] == "failure"
+    assert _gone(victim)
+    assert all(d["restart"] == 1 for d in run.done().values())
+
+
+def test_sigkilled_worker_is_detected_fast_and_group_restarts_and_finishes(agent_run):
+    run = agent_run(steps=40)
+    victim = run.wait_for_step(10)[0]["pid"]
+    t_fault = time.time()
+    os.kill(victim, signal.SIGKILL)
+
+    assert run.wait() == 0, run.log()
+    failure = run.first("failure")
+    detect_s = failure["time"] - t_fault
+    print(f"worker exit detected {detect_s:.3f}s after SIGKILL: {failure['cause']}")
+    assert detect_s < 1.0
+    assert any(f["pid"] == victim and f["signal"] == "SIGKILL" for f in failure["failures"])
+    assert not [e for e in run.events() if e["kind"] == "hang"]
+    assert all(d["restart"] == 1 for d in run.done().values())
+
+
+def test_workers_die_within_two_seconds_of_their_agent_being_sigkilled(agent_run):
+    run = agent_run(steps=100_000)
+    pids = [p["pid"] for p in run.wait_for_step(5).values()]
+    t_fault = time.monotonic()
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(10)
+    while not all(_gone(pid) for pid in pids) and time.monotonic() - t_fault < 10:
+        time.sleep(0.01)
+    elapsed = time.monotonic() - t_fault
+    print(f"workers gone {elapsed:.3f}s after the agent was SIGKILLed")
+    assert all(_gone(pid) for pid in pids), "workers outlived their agent"
+    assert elapsed < 2.0
+
+
+def test_exhausted_restarts_end_the_job_with_the_hang_as_cause(agent_run):
+    run = agent_run(steps=100_000, max_restarts=0)
+    victim = run.wait_for_step(10)[0]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    assert run.wait() == 1
+    assert "hang: local_rank 0" in run.log()
+    assert run.first("leave")["outcome"] == "FAILED"

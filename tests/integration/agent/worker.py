@@ -1,0 +1,50 @@
+"""Tiny elastic worker for the agent tests: gloo all_reduce steps with heartbeats (not the training recipe).
+
+Writes ``<progress-dir>/rank<R>.json`` ({pid, step, restart}) after every step so a test knows when and whom
+to hit, and ``rank<R>.done`` when it finishes.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.runtime.heartbeat import Heartbeat
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--progress-dir", required=True)
+    a = p.parse_args()
+
+    hb = Heartbeat.from_env()
+    hb.beat(0, "init")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    progress = os.path.join(a.progress_dir, f"rank{rank}.json")
+    for step in range(1, a.steps + 1):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(a.step_s)
+        hb.beat(step, "train")
+        _write(progress, {"pid": os.getpid(), "step": step, "restart": restart})
+    dist.barrier()
+    dist.destroy_process_group()
+    _write(os.path.join(a.progress_dir, f"rank{rank}.done"), {"pid": os.getpid(), "restart": restart})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Hang rule of elastictrain/agent/health.py, driven by a fake clock (plain floats)."""
+
+import pytest
+
+from elastictrain.agent.health import HealthConfig, HealthMonitor
+from elastictrain.errors import ConfigError
+from elastictrain.runtime.heartbeat import Beat
+
+CFG = HealthConfig(hang_floor_s=2.0, step_time_multiplier=5.0, calibration_min_steps=5, startup_timeout_s=10.0,
+                   warmup_timeout_s=20.0, init_timeout_s=30.0, load_timeout_s=40.0, save_timeout_s=50.0,
+                   paused_timeout_s=60.0)
+
+
+def monitor(cfg: HealthConfig = CFG, pids: dict[int, int] | None = None) -> HealthMonitor:
+    m = HealthMonitor(cfg)
+    m.reset(pids or {0: 100}, now=0.0)
+    return m
+
+
+def beat(m: HealthMonitor, t: float, step: int, phase: str = "train", rank: int = 0, pid: int = 100) -> bool:
+    return m.record(Beat(local_rank=rank, pid=pid, step=step, phase=phase, time=t), now=t)
+
+
+def train(m: HealthMonitor, start: float, steps: range, step_s: float) -> float:
+    t = start
+    for s in steps:
+        beat(m, t, s)
+        t += step_s
+    return t - step_s
+
+
+def test_worker_that_never_beats_is_hung_after_startup_allowance():
+    m = monitor()
+    assert m.check(9.9) == []
+    [h] = m.check(10.1)
+    assert h.phase is None and h.local_rank == 0 and h.pid == 100
+    assert "no heartbeat" in h.describe() and "startup allowance" in h.rule
+
+
+def test_calibrated_timeout_is_multiple_of_p95_step_time_with_floor():
+    m = monitor()
+    last = train(m, 1.0, range(20), step_s=1.0)
+    assert m.step_time() == pytest.approx(1.0)
+    assert m.timeout_for("train")[0] == pytest.approx(5.0)
+    assert m.check(last + 4.9) == []
+    [h] = m.check(last + 5.1)
+    assert h.step == 19 and h.phase == "train" and "p95" in h.rule
+
+
+def test_fast_steps_fall_back_to_the_floor():
+    m = monitor()
+    last = train(m, 1.0, range(50), step_s=0.01)
+    assert m.timeout_for("train")[0] == pytest.approx(2.0)
+    assert m.check(last + 1.9) == []
+    assert len(m.check(last + 2.1)) == 1
+
+
+def test_p95_ignores_rare_slow_steps_but_tracks_common_ones():
+    m = monitor()
+    t = 0.0
+    for s in range(100):
+        beat(m, t, s)
+        t += 10.0 if s % 50 == 49 else 1.0  # 2 % of steps are slow: above p95, ignored
+    assert m.step_time() == pytest.approx(1.0)
+
+
+def test_uncalibrated_train_phase_uses_warmup_allowance():
+    m = monitor()
+    beat(m, 1.0, 0, "init")
+    beat(m, 2.0, 1)
+    beat(m, 3.0, 2)
+    assert m.step_time() is None
+    assert m.check(3.0 + 19.9) == []
+    assert len(m.check(3.0 + 20.1)) == 1
+
+
+@pytest.mark.parametrize("phase,allowance", [("init", 30.0), ("load", 40.0), ("save", 50.0), ("paused", 60.0)])
+def test_non_train_phases_have_their_own_allowance(phase, allowance):
+    m = monitor()
+    train(m, 1.0, range(20), step_s=0.1)  # calibrated: train timeout is the 2 s floor
+    beat(m, 10.0, 20, phase)
+    assert m.check(10.0 + allowance - 0.1) == []
+    [h] = m.check(10.0 + allowance + 0.1)
+    assert h.phase == phase and f"{phase} allowance" in h.rule
+
+
+def test_repeated_beats_of_same_train_step_are_not_progress():
+    m = monitor()
+    last = train(m, 1.0, range(20), step_s=0.1)
+    for k in range(1, 30):
+        beat(m, last + 0.1 * k, 19)  # e.g. a background thread beating: no step progress
+    assert len(m.check(last + 2.1)) == 1
+
+
+def test_beats_in_non_train_phases_keep_worker_alive():
+    m = monitor()
+    train(m, 1.0, range(20), step_s=0.1)
+    for k in range(100):
+        beat(m, 5.0 + k, 20, "save")  # a long save that keeps reporting
+    assert m.check(5.0 + 99 + 49.0) == []
+
+
+def test_save_phase_does_not_count_as_a_step():
+    m = monitor(HealthConfig(hang_floor_s=1.0, calibration_min_steps=1, calibration_window=10))
+    beat(m, 0.0, 0)
+    beat(m, 1.0, 1)
+    beat(m, 1.0, 1, "save")
+    beat(m, 100.0, 1, "train")  # 99 s save, then training continues
+    beat(m, 101.0, 2)
+    assert m.step_time() == pytest.approx(1.0)
+
+
+def test_step_time_from_throttled_beats_is_per_step():
+    m = monitor()
+    for k in range(10):
+        beat(m, k * 1.0, k * 10)  # beats every 10 steps of 0.1 s
+    assert m.step_time() == pytest.approx(0.1)
+
+
+def test_stale_beats_from_previous_group_or_unknown_rank_are_ignored():
+    m = monitor(pids={0: 100, 1: 101})
+    assert not beat(m, 1.0, 0, rank=0, pid=99)
+    assert not beat(m, 1.0, 0, rank=5, pid=100)
+    assert beat(m, 1.0, 0, "init", rank=1, pid=101)
+    hung = {h.local_rank for h in m.check(10.5)}
+    assert hung == {0}
+
+
+def test_reset_forgets_workers_and_calibration():
+    m = monitor()
+    train(m, 1.0, range(20), step_s=1.0)
+    m.reset({0: 200}, now=100.0)
+    assert m.step_time() is None
+    assert m.workers[0].pid == 200 and m.workers[0].last_progress is None
+    assert m.check(109.0) == []
+
+
+def test_only_running_workers_are_judged():
+    m = monitor(pids={0: 100, 1: 101})
+    assert {h.local_rank for h in m.check(11.0, running={1})} == {1}
+
+
+def test_disabled_monitor_never_reports():
+    m = monitor(HealthConfig(enabled=False))
+    assert m.check(1e9) == []
+
+
+def test_invalid_config_is_rejected_with_a_hint():
+    with pytest.raises(ConfigError, match="hang_floor_s"):
+        HealthConfig(hang_floor_s=0)
+    with pytest.raises(ConfigError, match="quantile"):
+        HealthConfig(step_time_quantile=1.5)
