@@ -53,16 +53,18 @@ class EmbeddedEtcd:
         self,
         host: str = "127.0.0.1",
         port: int | None = None,
+        peer_port: int | None = None,
         data_dir: str | None = None,
         extra_args: list[str] | None = None,
         startup_timeout: float = 20.0,
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_ca: str | None = None,
+        command_prefix: list[str] | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
-        self.peer_port = _free_port(host)
+        self.peer_port = peer_port or _free_port(host)
         self._own_data_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._extra_args = list(extra_args or [])
@@ -72,6 +74,9 @@ class EmbeddedEtcd:
         # Serving https needs a certificate and key; tls_ca also makes it demand client certificates.
         self._tls = (tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
         self._scheme = "https" if self._tls else "http"
+        # e.g. ["ip", "netns", "exec", NS]: run (and health-check) the server inside another network
+        # namespace, which this process cannot reach directly.
+        self._prefix = list(command_prefix or [])
 
     @property
     def endpoint(self) -> str:
@@ -95,6 +100,7 @@ class EmbeddedEtcd:
         client_url = f"{self._scheme}://{self.host}:{self.port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
+            *self._prefix,
             find_etcd_binary(),
             "--name", "elastictrain",
             "--data-dir", os.path.join(self.data_dir, "data"),
@@ -137,6 +143,11 @@ class EmbeddedEtcd:
                 raise RendezvousError(
                     f"embedded etcd exited with code {self._proc.returncode} at start; see {self._log_path}"
                 )
+            if self._prefix:
+                if self._healthy_via_etcdctl():
+                    return
+                time.sleep(0.1)
+                continue
             try:
                 with urllib.request.urlopen(url, timeout=1, context=context) as resp:  # noqa: S310 - loopback
                     if b'"health":"true"' in resp.read():
@@ -146,6 +157,11 @@ class EmbeddedEtcd:
             time.sleep(0.05)
         self.stop()
         raise RendezvousError(f"embedded etcd on {self.endpoint} not healthy after {self._startup_timeout} s")
+
+    def _healthy_via_etcdctl(self) -> bool:
+        etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
+        cmd = [*self._prefix, etcdctl, f"--endpoints={self.url}", "--dial-timeout=1s", "endpoint", "health"]
+        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
         """Stop the server by PID (SIGTERM, then SIGKILL); the data dir is kept for a restart."""
