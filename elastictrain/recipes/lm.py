@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from elastictrain.config import JobConfig, load_config
-from elastictrain.errors import ElastictrainError
+from elastictrain.errors import CheckpointError, ElastictrainError
 from elastictrain.logs import setup_logging
 from elastictrain.recipes.model import build_model, build_optimizer, shard_model
 from elastictrain.runtime.audit import SampleLedger
@@ -137,6 +137,17 @@ class Trainer:
         """At a world size other than the checkpoint's, per-rank RNG is re-derived from (seed, step, rank)."""
         seed_everything(derive_seed(self.cfg.train.seed, "resume", self.step, self.session.rank))
 
+    def verify_consistent_start(self, resumed_from: Optional[str]) -> None:
+        """Fail loudly unless every rank starts from the same step, config fingerprint and checkpoint."""
+        mine = (self.step, self.cursor.samples_consumed, json.dumps(self.cfg.fingerprint(), sort_keys=True),
+                resumed_from)
+        views: list[Any] = [None] * self.session.world_size
+        dist.all_gather_object(views, mine)
+        if any(v != views[0] for v in views):
+            detail = "; ".join(f"rank {r}: step {v[0]}, samples {v[1]}, checkpoint {v[3]}" for r, v in enumerate(views))
+            raise CheckpointError(f"ranks disagree on the starting state after (re)load: {detail}. Check that "
+                                  f"every node uses the same config and checkpoint.url")
+
     # --- the step --------------------------------------------------------------------------------------
 
     def train_step(self) -> torch.Tensor:
@@ -183,6 +194,7 @@ class Trainer:
         resumed_from = None
         if self.checkpointer is not None:
             resumed_from = self.checkpointer.restore(self)
+        self.verify_consistent_start(resumed_from)
         start_step = self.step
         tokens_per_step = d.global_batch_size * d.seq_len
         losses: dict[int, float] = {}
