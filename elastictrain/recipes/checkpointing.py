@@ -44,11 +44,16 @@ class RecipeCheckpointer:
         step = trainer.step
         if (final or stopping) and self.cfg.save_on_exit:
             if self._last_saved != step:
-                self.mgr.save(step, trainer.state(), blocking=True)
-                self._last_saved = step
+                self._save(trainer, blocking=True)
         elif self.mgr.should_save(step):
-            self.mgr.save(step, trainer.state())
-            self._last_saved = step
+            self._save(trainer, blocking=False)
+
+    def _save(self, trainer: "Trainer", blocking: bool) -> None:
+        # The agent allows the save phase more time than a step before it calls a worker hung.
+        trainer.heartbeat.beat(trainer.step, "save")
+        self.mgr.save(trainer.step, trainer.state(), blocking=blocking)
+        self._last_saved = trainer.step
+        trainer.heartbeat.beat(trainer.step, "train")
 
     def close(self) -> None:
         self.mgr.close()

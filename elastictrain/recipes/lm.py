@@ -32,6 +32,7 @@ from elastictrain.recipes.model import build_model, build_optimizer, shard_model
 from elastictrain.runtime.audit import SampleLedger
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 from elastictrain.runtime.data import build_source
+from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.determinism import (
     capture_rng_state, configure_determinism, derive_seed, restore_rng_state, seed_everything,
 )
@@ -84,8 +85,10 @@ class _StopFlag:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, session: Session, checkpointer: Any = None):
+    def __init__(self, cfg: JobConfig, session: Session, checkpointer: Any = None,
+                 heartbeat: Optional[Heartbeat] = None):
         self.cfg, self.session, self.checkpointer = cfg, session, checkpointer
+        self.heartbeat = heartbeat or Heartbeat(None)
         t, d = cfg.train, cfg.data
         configure_determinism(t.deterministic)
         seed_everything(derive_seed(t.seed, "rank", session.rank))
@@ -193,6 +196,7 @@ class Trainer:
         self.stop.install()
         resumed_from = None
         if self.checkpointer is not None:
+            self.heartbeat.beat(self.step, "load")
             resumed_from = self.checkpointer.restore(self)
         self.verify_consistent_start(resumed_from)
         start_step = self.step
@@ -211,6 +215,7 @@ class Trainer:
             red = self.train_step()
             loss_sum, stop = red.tolist()
             step_times.append(time.monotonic() - ts)
+            self.heartbeat.beat(self.step, "train")
             loss = loss_sum / tokens_per_step
             losses[self.step] = loss
             if bar is not None:
@@ -267,10 +272,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stderr.write(f"elastictrain: error: {e}\n")
         return 2
     setup_logging(cfg.logging.level, cfg.logging.json)
+    heartbeat = Heartbeat.from_env()  # first: ties this worker's life to its agent's
     session = Session(cfg.train).start()
     try:
         from elastictrain.recipes.checkpointing import make_checkpointer
-        trainer = Trainer(cfg, session, checkpointer=None)
+        trainer = Trainer(cfg, session, heartbeat=heartbeat)
         trainer.checkpointer = make_checkpointer(cfg, trainer, session)
         summary = trainer.run()
         if session.is_main:
@@ -280,6 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     finally:
         session.close()
+        heartbeat.close()
     return 0
 
 
