@@ -153,7 +153,7 @@ class HealthMonitor:
         return t, f"{phase} allowance {t:g}s"
 
     def check(self, now: float, running: set[int] | None = None) -> list[Hang]:
-        """Hung workers at ``now``, among the local ranks in ``running`` (default: all)."""
+        """Hung workers at ``now`` among the local ranks in ``running`` (default: all), likely culprit first."""
         if not self.config.enabled:
             return []
         hangs = []
@@ -166,4 +166,6 @@ class HealthMonitor:
             if silent > timeout:
                 hangs.append(Hang(local_rank=lr, pid=w.pid, phase=w.phase, step=w.step, silent_s=silent,
                                   timeout_s=timeout, rule=rule))
+        # Likely culprit first: in a stuck collective the peers wait one step ahead of the rank that stalled.
+        hangs.sort(key=lambda h: (h.step is not None, h.step or 0, -h.silent_s, h.local_rank))
         return hangs

@@ -91,15 +91,17 @@ class Heartbeat:
         """Build from the agent's env vars and tie this process's life to the agent's.
 
         Without ``ELASTICTRAIN_HEARTBEAT_ADDR`` (plain torchrun, a notebook) the emitter is a no-op.
-        Call it early in the worker, before process-group init: until then the agent only has its
-        startup allowance to go by.
+        Sends a first ``beat(0, "init")``, which ends the agent's startup allowance: call it early in
+        the worker, before process-group init and model building.
         """
         agent_pid = os.environ.get(ENV_AGENT_PID)
         if agent_pid:
             die_with_parent(int(agent_pid))
         addr = os.environ.get(ENV_HEARTBEAT_ADDR) or None
         interval = float(os.environ.get(ENV_HEARTBEAT_MIN_INTERVAL, DEFAULT_MIN_INTERVAL_S))
-        return cls(addr, local_rank=int(os.environ.get("LOCAL_RANK", 0)), min_interval_s=interval)
+        hb = cls(addr, local_rank=int(os.environ.get("LOCAL_RANK", 0)), min_interval_s=interval)
+        hb.beat(0, "init")
+        return hb
 
     @property
     def enabled(self) -> bool:

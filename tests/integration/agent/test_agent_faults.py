@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,12 +27,14 @@ HANG_FLOOR_S = 2.0
 class AgentRun:
     """One agent subprocess, its progress dir and event log; kills what is left of it at the end."""
 
-    def __init__(self, tmp: Path, steps: int, max_restarts: int = 1):
-        self.progress = tmp / "progress"
-        self.progress.mkdir()
-        self.events_path = tmp / "events.jsonl"
-        self.log_path = tmp / "agent.log"
-        cmd = [sys.executable, "-m", "elastictrain.agent.launch", "--standalone", "--nproc-per-node", "2",
+    def __init__(self, tmp: Path, steps: int, max_restarts: int = 1, name: str = "node",
+                 rdzv: tuple[str, ...] = ("--standalone",), nproc: int = 2, progress: Path | None = None):
+        self.progress = progress or tmp / "progress"
+        self.progress.mkdir(exist_ok=True)
+        self.ranks = (0, 1)
+        self.events_path = tmp / f"events-{name}.jsonl"
+        self.log_path = tmp / f"agent-{name}.log"
+        cmd = [sys.executable, "-m", "elastictrain.agent.launch", *rdzv, "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts), "--heartbeat-timeout", str(HANG_FLOOR_S),
                "--event-log", str(self.events_path),
                str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", "0.05"]
@@ -51,7 +54,7 @@ class AgentRun:
     def wait_for_step(self, step: int, restart: int = 0, timeout: float = 60.0) -> dict[int, dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ps = {r: self.progress_of(r) for r in (0, 1)}
+            ps = {r: self.progress_of(r) for r in self.ranks}
             if all(p and p["restart"] == restart and p["step"] >= step for p in ps.values()):
                 return ps  # type: ignore[return-value]
             assert self.proc.poll() is None, f"agent exited early:\n{self.log()}"
@@ -72,7 +75,7 @@ class AgentRun:
         return found[0]
 
     def done(self) -> dict[int, dict]:
-        return {r: json.loads((self.progress / f"rank{r}.done").read_text()) for r in (0, 1)}
+        return {r: json.loads((self.progress / f"rank{r}.done").read_text()) for r in self.ranks}
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]
@@ -100,6 +103,12 @@ def agent_run(tmp_path):
     yield start
     for run in runs:
         run.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _gone(pid: int) -> bool:
@@ -164,3 +173,26 @@ def test_exhausted_restarts_end_the_job_with_the_hang_as_cause(agent_run):
     assert run.wait() == 1
     assert "hang: local_rank 0" in run.log()
     assert run.first("leave")["outcome"] == "FAILED"
+
+
+def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_nodes(agent_run, tmp_path):
+    rdzv = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+            "--rdzv-id", "stuck-peer")
+    progress = tmp_path / "progress"
+    a = agent_run(steps=60, name="a", rdzv=rdzv, nproc=1, progress=progress)
+    b = agent_run(steps=60, name="b", rdzv=rdzv, nproc=1, progress=progress)
+    victim = a.wait_for_step(15)[1]["pid"]
+    victim_node, peer_node = (a, b) if victim in a.first("join")["pids"].values() else (b, a)
+    t_fault = time.time()
+    os.kill(victim, signal.SIGSTOP)
+
+    assert a.wait() == 0, a.log()
+    assert b.wait() == 0, b.log()
+    stopped, stuck = victim_node.first("hang"), peer_node.first("hang")
+    print(f"hang detected {stopped['time'] - t_fault:.2f}s (stopped worker's node), "
+          f"{stuck['time'] - t_fault:.2f}s (peer stuck in all_reduce)")
+    assert "'stopped'" in stopped["cause"] and "'stopped'" not in stuck["cause"]
+    assert stuck["time"] - t_fault < 15.0
+    rejoined = [e for e in peer_node.events() if e["kind"] == "join"][1]
+    print(f"group re-formed {rejoined['time'] - t_fault:.2f}s after SIGSTOP")
+    assert all(d["restart"] >= 1 for d in a.done().values())

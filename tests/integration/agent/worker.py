@@ -30,7 +30,6 @@ def main() -> None:
     a = p.parse_args()
 
     hb = Heartbeat.from_env()
-    hb.beat(0, "init")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

@@ -150,3 +150,12 @@ def test_invalid_config_is_rejected_with_a_hint():
         HealthConfig(hang_floor_s=0)
     with pytest.raises(ConfigError, match="quantile"):
         HealthConfig(step_time_quantile=1.5)
+
+
+def test_lagging_worker_is_reported_first_as_likely_culprit():
+    m = monitor(pids={0: 100, 1: 101, 2: 102})
+    for s in range(1, 11):
+        for r in (0, 1, 2):
+            if not (r == 1 and s == 10):  # rank 1 stalls before step 10; its peers wait in step 10's collective
+                beat(m, s * 0.1, s, rank=r, pid=100 + r)
+    assert [h.local_rank for h in m.check(10.0)] == [1, 0, 2]
