@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
+from elastictrain.cli import ckpt
 from elastictrain.errors import ElastictrainError
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastictrain", description="Elastic, fault-tolerant PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    ckpt.register(sub)
     return p
 
 
