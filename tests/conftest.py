@@ -5,4 +5,4 @@ import os
 # Never let a test reach a real cloud: s3fs/botocore fall back to public AWS hosts and instance metadata.
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
-pytest_plugins: list[str] = ["tests.fixtures.etcd"]
+pytest_plugins: list[str] = ["tests.fixtures.etcd", "tests.fixtures.s3"]

@@ -13,7 +13,7 @@ rank, with no extra barrier. Nothing is renamed on object stores (DCP's own .met
 copy there; the marker is what makes the checkpoint visible, not the rename).
 
 `PHASE_HOOK` lets fault tests stop a save in a chosen phase: `before_data`, `after_data`,
-`after_dcp_metadata`, `after_manifest`, `after_marker` (called with the phase and the rank).
+`after_dcp_metadata`, `after_manifest`, `after_marker` (called with the phase, the rank and the step).
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ from elastictrain.checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
 
-PHASE_HOOK: Optional[Callable[[str, int], None]] = None
-"""Fault injection for tests: called at each phase of a save with (phase, rank)."""
+PHASE_HOOK: Optional[Callable[[str, int, int], None]] = None
+"""Fault injection for tests: called at each phase of a save with (phase, rank, step)."""
 
 _FILES_FQN = "__elastictrain_files__"
 
 
-def _phase(name: str, rank: int) -> None:
+def _phase(name: str, rank: int, step: int) -> None:
     hook = PHASE_HOOK
     if hook is not None:
-        hook(name, rank)
+        hook(name, rank, step)
 
 
 class _HashingFileSystem(_FsspecFileSystem):
@@ -84,10 +84,10 @@ def write_commit(storage: Storage, dirname: str, manifest: Manifest, rank: int =
     """Write manifest.json, then the commit marker naming its sha256 (the marker is always last)."""
     data = manifest.to_bytes()
     storage.write_bytes(data, dirname, MANIFEST_NAME)
-    _phase("after_manifest", rank)
+    _phase("after_manifest", rank, manifest.metadata.step)
     marker = CommitMarker(step=manifest.metadata.step, manifest_sha256=sha256_bytes(data))
     storage.write_bytes(marker.to_bytes(), dirname, MARKER_NAME)
-    _phase("after_marker", rank)
+    _phase("after_marker", rank, manifest.metadata.step)
     return marker
 
 
@@ -120,7 +120,7 @@ class CommittingWriter(FsspecWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        _phase("before_data", self._rank())
+        _phase("before_data", self._rank(), self.metadata.step)
         self.fs.written = []
         results = super().write_data(plan, planner).value()
         entries = [e for e in self.fs.written if not e.name.endswith(".tmp")]
@@ -141,9 +141,9 @@ class CommittingWriter(FsspecWriter):
                 else:
                     keep.append(wr)
             dcp_results.append(keep)
-        _phase("after_data", rank)
+        _phase("after_data", rank, self.metadata.step)
         super().finish(metadata, dcp_results)
-        _phase("after_dcp_metadata", rank)
+        _phase("after_dcp_metadata", rank, self.metadata.step)
         # .metadata went through a .tmp + rename; it is small, so hash what is actually there.
         md = self.storage.read_bytes(self.dirname, DCP_METADATA_NAME)
         entries.append(FileEntry(DCP_METADATA_NAME, len(md), sha256_bytes(md)))

@@ -55,6 +55,12 @@ def resolve_options(url: str, storage_options: Optional[dict[str, Any]] = None) 
             client_kwargs["region_name"] = region
         if client_kwargs:
             opts["client_kwargs"] = client_kwargs
+        # botocore >= 1.36 checks a whole-object CRC against ranged GETs on S3-compatible servers that send
+        # it (rclone, some MinIO versions) and fails every DCP read; our manifest's sha256 covers integrity.
+        config_kwargs = dict(opts.get("config_kwargs") or {})
+        config_kwargs.setdefault("response_checksum_validation", "when_required")
+        config_kwargs.setdefault("request_checksum_calculation", "when_required")
+        opts["config_kwargs"] = config_kwargs
     return opts
 
 

@@ -16,7 +16,7 @@ from .conftest import small_state
 
 def test_commit_writes_data_then_metadata_then_manifest_then_marker_last(storage, monkeypatch):
     phases = []
-    monkeypatch.setattr(commit, "PHASE_HOOK", lambda phase, rank: phases.append(
+    monkeypatch.setattr(commit, "PHASE_HOOK", lambda phase, rank, step: phases.append(
         (phase, sorted(os.listdir(storage.path("step-00000007"))) if os.path.isdir(storage.path("step-00000007"))
          else [])))
     writer = CommittingWriter(storage, "step-00000007", CheckpointMetadata(step=7, world_size=1))
@@ -47,7 +47,7 @@ def test_manifest_lists_every_file_with_its_real_size_and_sha256(storage, make_c
 def test_resaving_a_step_uncommits_it_before_writing_data(storage, make_checkpoint, monkeypatch):
     d = make_checkpoint(4)
 
-    def crash_before_data(phase, rank):
+    def crash_before_data(phase, rank, step):
         if phase == "before_data":
             raise OSError("disk gone")
 

@@ -122,7 +122,7 @@ def test_failed_saves_never_raise_are_reported_and_retried_then_stop_after_the_l
     _, state = make_state()
     broken = {"on": True}
 
-    def disk_full(phase, rank):
+    def disk_full(phase, rank, step):
         if phase == "before_data" and broken["on"]:
             raise OSError(28, "No space left on device")
 
@@ -145,7 +145,7 @@ def test_failed_save_leaves_nothing_loadable_and_the_previous_checkpoint_is_used
     m.save(1, state, blocking=True)
     w1 = model.weight.detach().clone()
 
-    def die_before_marker(phase, rank):
+    def die_before_marker(phase, rank, step):
         if phase == "after_manifest":
             raise OSError(5, "I/O error")
 
