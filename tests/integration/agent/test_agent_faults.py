@@ -196,3 +196,17 @@ def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_n
     rejoined = [e for e in peer_node.events() if e["kind"] == "join"][1]
     print(f"group re-formed {rejoined['time'] - t_fault:.2f}s after SIGSTOP")
     assert all(d["restart"] >= 1 for d in a.done().values())
+
+
+def test_sigterm_to_agent_stops_even_a_sigstopped_worker_promptly(agent_run):
+    run = agent_run(steps=100_000)
+    progress = run.wait_for_step(5)
+    os.kill(progress[1]["pid"], signal.SIGSTOP)  # SIGTERM alone would wait out torch's 30 s shutdown timeout
+    t_fault = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    run.proc.wait(20)
+    elapsed = time.monotonic() - t_fault
+    print(f"agent and workers gone {elapsed:.2f}s after SIGTERM")
+    assert all(_gone(p["pid"]) for p in progress.values())
+    assert elapsed < 5.0
+    assert run.first("leave")["outcome"] == "signal SIGTERM"
