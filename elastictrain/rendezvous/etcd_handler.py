@@ -37,10 +37,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousSettings,
     RendezvousTimeout,
-    _BackendRendezvousStateHolder,
     _NodeDesc,
-    _remove_participant_epilogue,
-    _RendezvousState,
 )
 
 from elastictrain.errors import RendezvousError
@@ -48,52 +45,13 @@ from elastictrain.rendezvous.backend import EtcdV3Backend
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings
+from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
 from elastictrain.rendezvous.store import EtcdStore
 
 logger = logging.getLogger(__name__)
 
 # How long one periodic call (monitor loop, heartbeat) may retry before skipping a beat.
 _PERIODIC_TOLERANCE_S = 2.0
-
-
-def node_id(node: _NodeDesc) -> str:
-    """The node record name of a rendezvous participant (torch's `addr_pid_localid`)."""
-    return repr(node)
-
-
-class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder, which also drops nodes whose etcd lease expired."""
-
-    def __init__(
-        self,
-        backend: EtcdV3Backend,
-        settings: RendezvousSettings,
-        liveness: NodeLiveness,
-        cache_duration: int = 1,
-    ) -> None:
-        super().__init__(backend, settings, cache_duration)
-        self._liveness = liveness
-
-    def _sanitize(self) -> None:
-        super()._sanitize()
-        state: _RendezvousState = self._state
-        known = set(state.last_heartbeats) | set(state.participants) | state.wait_list | state.redundancy_list
-        by_id = {node_id(n): n for n in known}
-        lost = self._liveness.lost(set(by_id))
-        if not lost:
-            return
-        participant_removed = False
-        for name in lost:
-            node = by_id[name]
-            logger.info("node %s lost its etcd lease; removing it from rendezvous '%s'", name, self._settings.run_id)
-            state.last_heartbeats.pop(node, None)
-            if state.participants.pop(node, None) is not None:
-                participant_removed = True
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)
-            self._dead_nodes.append(node)
-        if participant_removed:
-            _remove_participant_epilogue(state, self._settings)
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
@@ -109,6 +67,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         liveness: NodeLiveness,
     ) -> None:
         super().__init__(node, settings, "etcd3", store, state_holder)
+        self._op_executor = WatchingOpExecutor(node, state_holder, settings)
         self._client = client
         self._liveness = liveness
         self._round_members: set[str] = set()
@@ -171,6 +130,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         try:
             return super().shutdown()
         finally:
+            self._state_holder.unwatch(self._client)
             self._liveness.stop()
             self._client.close()
 
@@ -232,8 +192,11 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     )
     node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
     liveness = NodeLiveness(client, f"{settings.run_prefix}/nodes", node_id(node), settings.lease_ttl)
-    liveness.start()
     state_holder = LeaseAwareStateHolder(backend, rdzv_settings, liveness)
+    # A node record appearing or vanishing changes what the state holder prunes: re-read then.
+    liveness.on_change = state_holder.notify
+    liveness.start()
+    state_holder.watch(client)
     handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness)
     logger.info(
         "etcd3 rendezvous '%s' on %s as node %s (lease ttl %s s)",

@@ -39,7 +39,7 @@ class NodeLiveness:
         self._prefix = prefix.rstrip("/") + "/"
         self.node_id = node_id
         self._ttl = ttl
-        self._on_change = on_change
+        self.on_change = on_change
         self._lease_id: int | None = None
         self._alive: set[str] = set()
         self._alive_lock = threading.Lock()
@@ -126,8 +126,8 @@ class NodeLiveness:
         with self._alive_lock:
             changed = present != self._alive
             self._alive = present
-        if changed and self._on_change is not None:
-            self._on_change()
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def _on_watch(self, response: Any) -> None:
         if response is None or isinstance(response, Exception):
@@ -145,8 +145,8 @@ class NodeLiveness:
                 elif node not in self._alive:
                     self._alive.add(node)
                     changed = True
-        if changed and self._on_change is not None:
-            self._on_change()
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def _run(self) -> None:
         interval = max(self._ttl / 3.0, 0.5)
