@@ -335,6 +335,9 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    # Imported here: torch and transformers cost seconds, and ls/verify/prune need neither.
+    import torch
+
     from elastictrain.checkpoint import export as ckpt_export
 
     storage = open_root(args.url, args.storage_option)
@@ -355,7 +358,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if problems:
             raise CheckpointError(f"checkpoint {info.url} is corrupt: {'; '.join(problems)}; export another step "
                                   f"or pass --no-verify")
-    written = _guarded(storage, "read", lambda: ckpt_export.export_hf(storage, info, args.out))
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    written = _guarded(storage, "read", lambda: ckpt_export.export_hf(storage, info, args.out, dtype=dtype))
     _out(f"exported step {info.step} from {info.url} to {args.out}\n")
     for path in written:
         _out(f"  {path}\n")
@@ -407,5 +411,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(ex)
     ex.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     ex.add_argument("--step", type=int, default=None, help="step to export (default: newest valid)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="cast floating-point weights (default: as saved)")
     ex.add_argument("--no-verify", action="store_true", help="skip the checksum verification before export")
     ex.set_defaults(func=_cmd_export)

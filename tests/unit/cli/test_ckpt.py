@@ -214,3 +214,60 @@ def test_cli_as_a_subprocess_lists_and_verifies(storage, root):
     r = subprocess.run([sys.executable, "-m", "elastictrain.cli.main", "ckpt", "verify", str(root)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "step-00000007/__0_0.distcp: sha256 mismatch" in r.stdout
+
+
+def _save_tiny_llama(storage: Storage, step: int):
+    """A committed checkpoint shaped like the recipe's: the model under `model`, plus non-model state."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from elastictrain.checkpoint.commit import CommittingWriter
+    from elastictrain.checkpoint.manifest import CheckpointMetadata, step_dir_name
+
+    torch.manual_seed(step)
+    cfg = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, vocab_size=64, head_dim=8)
+    model = AutoModelForCausalLM.from_config(cfg)
+    md = CheckpointMetadata(step=step, world_size=1, extra={"hf_config": model.config.to_dict()})
+    writer = CommittingWriter(storage, step_dir_name(step), md)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "trainer": {"step": step}}, storage_writer=writer, no_dist=True)
+    return model
+
+
+def test_export_writes_a_hf_checkpoint_that_loads_with_the_saved_parameters(capsys, storage, root, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    first = _save_tiny_llama(storage, 1)
+    _save_tiny_llama(storage, 2)
+    out = tmp_path / "hf"
+    rc, text, err = run(capsys, "export", str(root), "--out", str(out), "--step", "1")
+    assert rc == 0, err
+    assert f"exported step 1 from file://{root}/step-00000001 to {out}" in text
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    want = first.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    rc, _, _ = run(capsys, "export", str(root), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16")
+    assert rc == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").model.norm.weight.dtype == torch.bfloat16
+
+
+def test_export_refuses_torn_and_corrupt_checkpoints(capsys, storage, root, tmp_path):
+    write_checkpoint(storage, 1)
+    write_checkpoint(storage, 2)
+    os.remove(root / "step-00000002" / MARKER_NAME)
+    rc, _, err = run(capsys, "export", str(root), "--out", str(tmp_path / "o"), "--step", "2")
+    assert rc == 2 and "step 2" in err and "torn" in err and "no commit marker" in err
+    flip_byte(shard(root, 1))
+    rc, _, err = run(capsys, "export", str(root), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "step-00000001" in err and "__0_0.distcp: sha256 mismatch" in err
+    assert not (tmp_path / "o").exists()
