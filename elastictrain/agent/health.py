@@ -12,15 +12,13 @@ Step times are (time, step) deltas between consecutive train beats, pooled over 
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from elastictrain.errors import ConfigError
 from elastictrain.runtime.heartbeat import Beat
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,6 @@ class HealthConfig:
     paused_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        from elastictrain.errors import ConfigError
-
         for name in ("hang_floor_s", "step_time_multiplier", "startup_timeout_s", "warmup_timeout_s",
                      "init_timeout_s", "load_timeout_s", "save_timeout_s", "paused_timeout_s"):
             if getattr(self, name) <= 0:
