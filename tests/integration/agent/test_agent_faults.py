@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -175,9 +176,16 @@ def test_exhausted_restarts_end_the_job_with_the_hang_as_cause(agent_run):
     assert run.first("leave")["outcome"] == "FAILED"
 
 
-def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_nodes(agent_run, tmp_path):
-    rdzv = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-            "--rdzv-id", "stuck-peer")
+@pytest.mark.parametrize("backend", ["c10d", "etcd3"])
+def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_nodes(
+        agent_run, tmp_path, request, backend):
+    if backend == "etcd3":
+        endpoint = request.getfixturevalue("etcd").endpoint
+        conf = ("--rdzv-conf", "lease_ttl=2,last_call_timeout=1")
+    else:
+        endpoint, conf = f"127.0.0.1:{_free_port()}", ()
+    rdzv = ("--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+            "--rdzv-id", f"stuck-peer-{uuid.uuid4().hex[:8]}", *conf)
     progress = tmp_path / "progress"
     a = agent_run(steps=60, name="a", rdzv=rdzv, nproc=1, progress=progress)
     b = agent_run(steps=60, name="b", rdzv=rdzv, nproc=1, progress=progress)
@@ -189,12 +197,12 @@ def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_n
     assert a.wait() == 0, a.log()
     assert b.wait() == 0, b.log()
     stopped, stuck = victim_node.first("hang"), peer_node.first("hang")
-    print(f"hang detected {stopped['time'] - t_fault:.2f}s (stopped worker's node), "
+    print(f"[{backend}] hang detected {stopped['time'] - t_fault:.2f}s (stopped worker's node), "
           f"{stuck['time'] - t_fault:.2f}s (peer stuck in all_reduce)")
     assert "'stopped'" in stopped["cause"] and "'stopped'" not in stuck["cause"]
     assert stuck["time"] - t_fault < 15.0
     rejoined = [e for e in peer_node.events() if e["kind"] == "join"][1]
-    print(f"group re-formed {rejoined['time'] - t_fault:.2f}s after SIGSTOP")
+    print(f"[{backend}] group re-formed {rejoined['time'] - t_fault:.2f}s after SIGSTOP")
     assert all(d["restart"] >= 1 for d in a.done().values())
 
 
