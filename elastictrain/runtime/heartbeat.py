@@ -76,7 +76,6 @@ class Heartbeat:
     def __init__(self, addr: str | None, local_rank: int = 0, min_interval_s: float = DEFAULT_MIN_INTERVAL_S):
         self._addr = addr
         self._local_rank = local_rank
-        self._pid = os.getpid()
         self._min_interval = min_interval_s
         self._last_sent = float("-inf")
         self._last_phase = ""
@@ -118,7 +117,8 @@ class Heartbeat:
             return
         self._last_sent = now
         self._last_phase = phase
-        data = _WIRE.pack(_WIRE_VERSION, _PHASE_CODE[phase], self._local_rank, self._pid, step, now)
+        # The pid per send, not per emitter: a forked child must not pass for its parent.
+        data = _WIRE.pack(_WIRE_VERSION, _PHASE_CODE[phase], self._local_rank, os.getpid(), step, now)
         try:
             self._sock.sendto(data, self._addr)
         except OSError as e:

@@ -1,8 +1,11 @@
 """Worker heartbeats (elastictrain/runtime/heartbeat.py) into the agent's socket (agent._HeartbeatChannel)."""
 
 import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from elastictrain.agent.agent import _HeartbeatChannel
@@ -81,3 +84,57 @@ def test_wire_format_roundtrip_and_garbage_rejected():
     assert Beat.unpack(b.pack()) == b
     with pytest.raises(ValueError):
         Beat.unpack(b"garbage")
+
+
+def _run_child(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_worker_whose_agent_already_died_exits_at_from_env(monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.delenv(ENV_HEARTBEAT_ADDR, raising=False)
+    out = _run_child("from elastictrain.runtime.heartbeat import Heartbeat; Heartbeat.from_env(); print('alive')",
+                     {ENV_AGENT_PID: str(dead.pid)})
+    assert out.returncode == 1 and "alive" not in out.stdout
+
+
+def test_worker_dies_when_its_parent_is_sigkilled(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, sys, time\n"
+        "from elastictrain.runtime.heartbeat import Heartbeat\n"
+        "Heartbeat.from_env()\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n")
+    # The parent plays the agent: it starts a child that ties itself to it, then waits.
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import os, subprocess, sys, time\n"
+        f"env = {{**os.environ, {ENV_AGENT_PID!r}: str(os.getpid())}}\n"
+        "subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], env=env)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(parent), str(child), str(pidfile)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = psutil.Process(int(pidfile.read_text()))
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            try:
+                if worker.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)
+        else:
+            worker.kill()
+            raise AssertionError("worker outlived its parent by 5 s")
+    finally:
+        proc.kill()
+        proc.wait()
