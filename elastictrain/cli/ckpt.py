@@ -188,7 +188,14 @@ def describe(info: CheckpointInfo, now: Optional[float] = None) -> dict[str, Any
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     storage = open_root(args.url, args.storage_option)
-    rows = [describe(c) for c in load_checkpoints(storage)]
+    checkpoints = load_checkpoints(storage)
+    if args.verify:
+        # A flipped byte keeps every size right: only reading the data back (what verify does) shows it.
+        for c in checkpoints:
+            problems = _guarded(storage, "read", lambda c=c: verify_files(storage, c)) if c.valid else []
+            if problems:
+                c.status, c.reason = "corrupt", "; ".join(problems)
+    rows = [describe(c) for c in checkpoints]
     if args.json:
         _json_out({"url": storage.url, "checkpoints": rows})
         return 0
@@ -382,9 +389,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Operate on the checkpoints under a checkpoint root (the job's checkpoint.url).")
     csub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{ls,verify,prune,export}")
 
-    ls = csub.add_parser("ls", help="list checkpoints, newest first (one listing, no checksum reads)")
+    ls = csub.add_parser("ls", help="list checkpoints, newest first (one listing, no checksum reads)",
+                         description="One listing plus the small marker and manifest of each committed checkpoint: "
+                                     "missing and truncated files show; a flipped byte needs --verify (or verify).")
     _common(ls)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--verify", action="store_true",
+                    help="also read every file back and mark checksum mismatches corrupt (reads all the data)")
     ls.set_defaults(func=_cmd_ls)
 
     v = csub.add_parser("verify", help="read every file back and check it against the manifest's sha256",

@@ -271,3 +271,15 @@ def test_export_refuses_torn_and_corrupt_checkpoints(capsys, storage, root, tmp_
     rc, _, err = run(capsys, "export", str(root), "--out", str(tmp_path / "o"))
     assert rc == 2 and "step-00000001" in err and "__0_0.distcp: sha256 mismatch" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_ls_verify_marks_a_flipped_byte_corrupt_that_plain_ls_cannot_see(capsys, storage, root):
+    write_checkpoint(storage, 1)
+    write_checkpoint(storage, 2)
+    flip_byte(shard(root, 2))
+    rc, out, _ = run(capsys, "ls", str(root), "--json")
+    assert [c["status"] for c in json.loads(out)["checkpoints"]] == ["valid", "valid"]
+    rc, out, _ = run(capsys, "ls", str(root), "--verify")
+    assert rc == 0
+    row = out.splitlines()[2]
+    assert row.split()[:2] == ["2", "corrupt"] and "__0_0.distcp: sha256 mismatch" in row
