@@ -57,6 +57,7 @@ from elastictrain.checkpoint.discovery import (
 )
 from elastictrain.checkpoint.manifest import CheckpointMetadata, library_versions, parse_step_dir, step_dir_name
 from elastictrain.checkpoint.retention import apply_retention
+from elastictrain.checkpoint.staging import ReusedCpuStager
 from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointError, CheckpointMismatchError, StorageError
@@ -126,6 +127,7 @@ class CheckpointManager:
         self._dcp_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._ctl_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._in_flight: Optional[_InFlight] = None
+        self._stager = ReusedCpuStager()
         self._failures = 0
         self._last_saved_step: Optional[int] = None
         self._last_save_time = time.monotonic()
@@ -218,7 +220,7 @@ class CheckpointManager:
         kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
         # Staging errors are local to this rank (its state_dict() failed): the other ranks are already in
         # the save's collectives, so this is not a recoverable storage failure; let it raise.
-        fut = dcp.async_save(state, storage_writer=writer, process_group=self._dcp_pg,
+        fut = dcp.async_save(state, storage_writer=writer, process_group=self._dcp_pg, async_stager=self._stager,
                              async_checkpointer_type=kind, no_dist=not self._distributed)
         upload = getattr(fut, "upload_completion", fut)
         flight = _InFlight(step=step, url=url, started=t0, blocking_s=time.monotonic() - t0)
@@ -288,8 +290,10 @@ class CheckpointManager:
             self._record_failure(flight.step, flight.url, exc)
 
     def close(self) -> None:
-        """Wait for the save in flight; the manager's process groups stay (destroyed with the default one)."""
+        """Wait for the save in flight and free the staging buffers; the process groups stay (destroyed with
+        the default one)."""
         self.wait()
+        self._stager.close()
 
     # ------------------------------------------------------------------ loading
 
@@ -305,15 +309,43 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s", info.url, info.reason)
                 self._emit("checkpoint_skipped", url=info.url, reason=info.reason)
 
+    def _rank0(self, fn: Callable[[], Any], storage: Optional[Storage]) -> Any:
+        """fn() on rank 0, its result (or its error, re-raised) on every rank: no rank waits for a dead one."""
+        outcome: Any = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", fn())
+            except CheckpointError as e:
+                outcome = ("err", type(e), str(e))
+            except Exception as e:  # storage errors come in many types (OSError, botocore, aiohttp)
+                err = explain_storage_error(e, storage, "read") if storage is not None else CheckpointError(str(e))
+                outcome = ("err", type(err), str(err))
+        outcome = self._broadcast(outcome)
+        if outcome[0] == "err":
+            raise outcome[1](outcome[2])
+        return outcome[1]
+
     def _verified(self, info: CheckpointInfo, storage: Storage) -> list[str]:
-        """Checksums of `info`'s files, each rank reading its share; the problems found by any rank."""
+        """Checksums of `info`'s files, each rank reading its share; the problems found by any rank.
+
+        A read that fails (storage down) raises StorageError on every rank rather than counting as
+        corruption: falling back to an older checkpoint, or to a fresh start, because S3 blinked would
+        silently throw training away.
+        """
         if not self.verify_on_load or info.manifest is None:
             return []
         names = [f.name for f in info.manifest.files]
         world = dist.get_world_size(self._ctl_pg) if self._distributed else 1
         me = dist.get_rank(self._ctl_pg) if self._distributed else 0
-        mine = verify_files(storage, info, names[me::world])
-        return [p for per_rank in self._all_gather(mine) for p in per_rank]
+        try:
+            mine: tuple[list[str], Optional[str]] = (verify_files(storage, info, names[me::world]), None)
+        except Exception as e:
+            mine = ([], str(explain_storage_error(e, storage, "read")))
+        gathered = self._all_gather(mine)
+        errors = [err for _, err in gathered if err]
+        if errors:
+            raise StorageError(errors[0])
+        return [p for problems, _ in gathered for p in problems]
 
     def _choose(self) -> Optional[tuple[CheckpointInfo, Storage]]:
         """The checkpoint to resume from under cfg.resume, agreed on by every rank, or None."""
@@ -324,8 +356,7 @@ class CheckpointManager:
             st = open_storage(resume, self.cfg.storage_options)
             parent = Storage(url=st.url.rstrip("/").rsplit("/", 1)[0], fs=st.fs, root=st.root.rsplit("/", 1)[0],
                              protocol=st.protocol, options=st.options)
-            info = open_checkpoint(st) if self.rank == 0 else None
-            info = self._broadcast(info)
+            info = self._rank0(lambda: open_checkpoint(st), st)
             if not info.valid:
                 raise CheckpointError(f"checkpoint.resume={resume}: not a valid checkpoint ({info.reason}); "
                                       f"point it at a committed step-* directory or use 'auto'")
@@ -333,16 +364,16 @@ class CheckpointManager:
             if problems:
                 raise CheckpointError(f"checkpoint.resume={resume} is corrupt: {'; '.join(problems)}")
             return info, parent
-        assert self.storage is not None
-        gen = self._candidates() if self.rank == 0 else None
+        storage = self.storage
+        assert storage is not None
+        gen = self._candidates() if self.rank == 0 else None  # lazy: lists on the first next()
         while True:
-            info = next(gen, None) if gen is not None else None
-            info = self._broadcast(info)
+            info = self._rank0(lambda: next(gen, None), storage)  # type: ignore[arg-type]
             if info is None:
                 return None
-            problems = self._verified(info, self.storage)
+            problems = self._verified(info, storage)
             if not problems:
-                return info, self.storage
+                return info, storage
             reason = "; ".join(problems)
             if self.rank == 0:
                 log.warning("skipping checkpoint %s: %s", info.url, reason)
@@ -356,12 +387,7 @@ class CheckpointManager:
         """
         self.wait()
         t0 = time.monotonic()
-        try:
-            chosen = self._choose()
-        except (StorageError, CheckpointError):
-            raise
-        except OSError as e:
-            raise explain_storage_error(e, self.storage or open_storage(self.cfg.resume), "read") from None
+        chosen = self._choose()
         if chosen is None:
             log.info("no checkpoint to resume from (resume=%s); starting fresh", self.cfg.resume)
             return None
@@ -370,8 +396,12 @@ class CheckpointManager:
         assert info.manifest is not None
         md = info.manifest.metadata
         reader = FsspecReader(info.url, **storage.options)
+        try:
+            dcp_metadata = reader.read_metadata()
+        except Exception as e:
+            raise explain_storage_error(e, storage, "read") from None
         fp_diffs = compat.fingerprint_diffs(self.fingerprint, md.fingerprint)
-        absent, problems = compat.key_problems(state, reader.read_metadata())
+        absent, problems = compat.key_problems(state, dcp_metadata)
         compat.raise_mismatch(info.url, fp_diffs, problems)
         version_warnings = compat.warn_versions(library_versions(), md.versions, info.url)
         to_load = {k: v for k, v in state.items() if k not in absent}

@@ -16,6 +16,7 @@ Checksums are SHA-256 (hashlib; about 2 GB/s per core here, and no new dependenc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -43,7 +44,8 @@ def parse_step_dir(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def library_versions() -> dict[str, str]:
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
     """Versions that change how a checkpoint reads back (a difference is reported as a warning)."""
     import torch
 
@@ -55,7 +57,12 @@ def library_versions() -> dict[str, str]:
             out[mod] = version(mod)
         except Exception:  # not installed as a distribution: not worth failing a save over
             continue
-    return out
+    return tuple(out.items())
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that change how a checkpoint reads back (a difference is reported as a warning)."""
+    return dict(_versions())
 
 
 @dataclass

@@ -1,0 +1,56 @@
+"""Storage errors against a real S3 server: each names the URL and the fix; a down server never means 'start fresh'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastictrain.checkpoint.manager import CheckpointManager
+from elastictrain.checkpoint.storage import check_storage, open_storage
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import StorageError
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+
+
+def test_missing_bucket_names_the_bucket_and_the_fix(s3_bucket):
+    with pytest.raises(StorageError) as e:
+        check_storage(open_storage("s3://no-such-bucket/ckpt", s3_bucket.storage_options()))
+    assert "bucket 'no-such-bucket' does not exist" in str(e.value) and "create it" in str(e.value)
+
+
+def test_bad_credentials_say_so(s3_bucket):
+    with pytest.raises(StorageError) as e:
+        CheckpointManager(CheckpointConfig(url=s3_bucket.url, storage_options=s3_bucket.storage_options(
+            secret="wrong")), fingerprint={})
+    assert s3_bucket.url in str(e.value) and "refused the credentials" in str(e.value)
+
+
+def test_unreachable_endpoint_says_so(s3_bucket):
+    opts = s3_bucket.storage_options(endpoint_url="http://127.0.0.1:9", **FAST_FAIL)
+    with pytest.raises(StorageError) as e:
+        check_storage(open_storage(s3_bucket.url, opts))
+    assert "http://127.0.0.1:9 is unreachable" in str(e.value) and "AWS_ENDPOINT_URL" in str(e.value)
+
+
+def test_endpoint_and_credentials_from_the_standard_aws_environment(s3_bucket, monkeypatch):
+    for k, v in s3_bucket.server.env().items():
+        monkeypatch.setenv(k, v)
+    mgr = CheckpointManager(CheckpointConfig(url=s3_bucket.url), fingerprint={})
+    mgr.save(1, {"w": torch.arange(4.0)}, blocking=True)
+    state = {"w": torch.zeros(4)}
+    assert mgr.load_latest(state).step == 1 and torch.equal(state["w"], torch.arange(4.0))
+
+
+def test_server_down_at_resume_is_a_storage_error_not_a_fresh_start(s3_bucket):
+    cfg = CheckpointConfig(url=s3_bucket.url, storage_options=s3_bucket.storage_options(**FAST_FAIL))
+    CheckpointManager(cfg, fingerprint={}).save(1, {"w": torch.ones(2)}, blocking=True)
+    mgr = CheckpointManager(cfg, fingerprint={})
+    s3_bucket.server.stop()
+    try:
+        with pytest.raises(StorageError, match="unreachable"):
+            mgr.load_latest({"w": torch.zeros(2)})
+    finally:
+        s3_bucket.server.start()
