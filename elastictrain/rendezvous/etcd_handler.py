@@ -16,6 +16,7 @@ What differs from torch's c10d rendezvous, and why:
 * Liveness: each agent keeps a lease-bound node record (`.../nodes/<node>`); a lost node's record
   vanishes after `lease_ttl` and survivors (a) drop it from the state and (b) report it through
   `num_nodes_waiting`, which makes torch's agent restart its workers and join a new round.
+* Rounds are change-driven (`state.py`): waiting nodes wake on a watch instead of polling each second.
 * A short etcd outage is ridden out: periodic calls (monitor loop, heartbeats) skip a beat instead of
   failing, and only an outage longer than `outage_tolerance` raises.
 """

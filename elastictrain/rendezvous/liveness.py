@@ -165,5 +165,5 @@ class NodeLiveness:
                         self._client.cancel_watch(self._watch_id)
                     self._start_watch()
                 self._reseed()
-            except Exception:  # noqa: BLE001 - keep the thread alive through etcd outages
-                logger.warning("keep-alive of node %s failed; retrying", self.node_id, exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - keep the thread alive through etcd outages
+                logger.warning("keep-alive of node %s failed (%s); retrying", self.node_id, exc)
