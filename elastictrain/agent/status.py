@@ -1,0 +1,167 @@
+"""Job status and the event log in etcd, written by the agents and read by the operator CLI.
+
+Keys, all under the run's prefix (`/elastictrain/<run_id>`):
+
+    status/nodes/<node>     NodeStatus (JSON), rewritten every `interval_s` by that node's agent. Not bound to a
+                            lease: a lost node's record stays, and readers judge it by its age (`updated`).
+    events/<t_ns>-<node>    one Event (JSON) per agent event, append-only; keys sort by time.
+    restarts/<round>        RestartRecord: the job-wide restart budget (see `budget.py`).
+
+Publishing never blocks or fails training: etcd errors are logged and the next beat tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from elastictrain.rendezvous.client import EtcdClient
+
+if TYPE_CHECKING:
+    from elastictrain.agent.agent import ElasticAgent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATUS_INTERVAL_S = 2.0
+"""How often each agent rewrites its node status."""
+
+# event kind -> the node state it leaves behind
+_STATE_AFTER = {"join": "running", "failure": "recovering", "hang": "recovering", "restart": "rendezvous",
+                "succeeded": "succeeded", "leave": "left", "drain": "draining", "budget_exhausted": "failed",
+                "crash_loop": "failed"}
+
+
+@dataclass
+class WorkerStatus:
+    local_rank: int
+    pid: int
+    step: Optional[int]
+    phase: Optional[str]
+    heartbeat_age_s: Optional[float]
+
+
+@dataclass
+class NodeStatus:
+    node: str
+    host: str
+    agent_pid: int
+    state: str
+    group_rank: Optional[int] = None
+    world_size: Optional[int] = None
+    workers: list[WorkerStatus] = field(default_factory=list)
+    step: Optional[int] = None
+    step_time_s: Optional[float] = None
+    restarts_used: int = 0
+    max_restarts: int = 0
+    last_event: str = ""
+    updated: float = 0.0
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "NodeStatus":
+        raw = json.loads(data)
+        raw["workers"] = [WorkerStatus(**w) for w in raw.get("workers", [])]
+        return cls(**raw)
+
+
+@dataclass
+class Event:
+    time: float
+    node: str
+    kind: str
+    fields: dict[str, Any]
+
+
+def node_name(rdzv_node: Optional[str] = None) -> str:
+    """The node's id in status keys: the rendezvous node id when known, else host and agent pid."""
+    return rdzv_node or f"{socket.gethostname()}_{os.getpid()}"
+
+
+class EtcdStatusPublisher:
+    """An AgentEventListener that appends events and keeps this node's status fresh in etcd."""
+
+    def __init__(self, client: EtcdClient, run_prefix: str, node: str, *, max_restarts: int = 0,
+                 interval_s: float = DEFAULT_STATUS_INTERVAL_S, budget: Any = None):
+        self.client, self.prefix, self.node = client, run_prefix.rstrip("/"), node
+        self.interval_s = interval_s
+        self.budget = budget
+        self.status = NodeStatus(node=node, host=socket.gethostname(), agent_pid=os.getpid(), state="starting",
+                                 max_restarts=max_restarts)
+        self._agent: Optional["ElasticAgent"] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def status_key(self) -> str:
+        return f"{self.prefix}/status/nodes/{self.node}"
+
+    def attach(self, agent: "ElasticAgent") -> None:
+        """Start publishing this agent's worker heartbeats periodically."""
+        self._agent = agent
+        self._thread = threading.Thread(target=self._loop, name="elastictrain-status", daemon=True)
+        self._thread.start()
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        now = time.time()
+        ev = Event(time=now, node=self.node, kind=kind, fields={k: v for k, v in fields.items() if k != "time"})
+        try:
+            self.client.put(f"{self.prefix}/events/{time.time_ns():020d}-{self.node}",
+                            json.dumps(asdict(ev), default=str).encode())
+        except Exception as e:  # etcd down: the event is lost, training goes on
+            log.warning("could not record %s event in etcd: %s", kind, e)
+        with self._lock:
+            self.status.state = _STATE_AFTER.get(kind, self.status.state)
+            self.status.last_event = kind
+            if "group_rank" in fields:
+                self.status.group_rank = fields["group_rank"]
+            if "world_size" in fields:
+                self.status.world_size = fields["world_size"]
+        self.publish()
+
+    def publish(self) -> None:
+        with self._lock:
+            st = self.status
+            if self._agent is not None:
+                now = time.monotonic()
+                health = self._agent.worker_health()
+                st.workers = [WorkerStatus(local_rank=lr, pid=w.pid, step=w.step, phase=w.phase,
+                                           heartbeat_age_s=None if w.last_beat is None else round(now - w.last_beat, 3))
+                              for lr, w in sorted(health.items())]
+                steps = [w.step for w in st.workers if w.step is not None]
+                st.step = max(steps) if steps else None
+                st.step_time_s = self._agent.step_time()
+            if self.budget is not None:
+                st.restarts_used = self.budget.used(tolerant=True)
+            st.updated = time.time()
+            payload = json.dumps(asdict(st), default=str).encode()
+        try:
+            self.client.put(self.status_key, payload)
+        except Exception as e:
+            log.debug("status publish failed: %s", e)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.publish()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.publish()
+
+
+def read_nodes(client: EtcdClient, run_prefix: str) -> list[NodeStatus]:
+    raw = client.get_prefix(f"{run_prefix.rstrip('/')}/status/nodes/")
+    return sorted((NodeStatus.from_json(v) for v in raw.values()), key=lambda s: s.node)
+
+
+def read_events(client: EtcdClient, run_prefix: str, since: float = 0.0) -> list[Event]:
+    raw = client.get_prefix(f"{run_prefix.rstrip('/')}/events/")
+    out = [Event(**json.loads(v)) for _, v in sorted(raw.items())]
+    return [e for e in out if e.time >= since]
