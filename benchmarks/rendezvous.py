@@ -6,7 +6,8 @@ Recovery: 3 torchrun agents x 1 gloo worker on localhost (worker step every 0.1 
 SIGKILLed (agent + worker, as a power loss); the figure is the time from the kill to the first step
 the survivors complete in the re-formed 2-node group. For c10d the killed node is one that does *not*
 host the TCPStore (killing that one ends the c10d job); for etcd3 both a non-rank-0 node and the
-rank-0 ("first") node are measured.
+rank-0 ("first") node are measured, and for c10d the store host once (the job is expected to die:
+"survived": false, no step within the timeout).
 
 Latency: N lightweight agents (threads in one process, each with its own handler and etcd
 connection) call `next_rendezvous()` at once with min = max = N; the figure is the time until the
@@ -66,6 +67,12 @@ def _store_host(agents: list[Agent], port: int) -> Agent | None:
     return None
 
 
+def _victim_label(backend: str, kill_first: bool) -> str:
+    if not kill_first:
+        return "a node not hosting rank 0 (nor the c10d store)"
+    return "the c10d store host (first node)" if backend == "c10d" else "rank-0 (first) node"
+
+
 def recovery_once(backend: str, conf_name: str, kill_first: bool, endpoint: str | None, timeout: float) -> float:
     """One measurement: seconds from SIGKILL of a node to the survivors' next completed step."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -86,7 +93,10 @@ def recovery_once(backend: str, conf_name: str, kill_first: bool, endpoint: str 
                     time.sleep(1.0)  # let "a" bind the store port, as a real first node would
             steps = wait_for(work, lambda s: sum(x.world == 3 for x in s) >= 15, 120, agents)
             rank0 = next(s.tag for s in steps if s.world == 3 and s.rank == 0)
-            if kill_first:
+            if kill_first and backend == "c10d":
+                # c10d's "first" node is the one hosting the TCPStore that everyone depends on.
+                victim = _store_host(agents, port) or agents[0]
+            elif kill_first:
                 victim = next(a for a in agents if a.tag == rank0)
             else:
                 spared = {rank0}
@@ -164,6 +174,7 @@ def main() -> None:
             ("etcd3", "tuned", False, args.runs, 90.0),
             ("etcd3", "tuned", True, args.runs, 90.0),
             ("etcd3", "defaults", True, 1, 90.0),
+            ("c10d", "tuned", True, 1, 60.0),
         ]
         for backend, conf_name, kill_first, runs, timeout in plan:
             samples: list[float] = []
@@ -176,7 +187,8 @@ def main() -> None:
             entry = {
                 "backend": backend,
                 "conf": conf_name,
-                "killed": "rank-0 (first) node" if kill_first else "a node not hosting rank 0 (nor the c10d store)",
+                "killed": _victim_label(backend, kill_first),
+                "survived": bool(samples),
                 "runs_s": samples,
                 "median_s": round(statistics.median(samples), 2) if samples else None,
                 "failures": failures,

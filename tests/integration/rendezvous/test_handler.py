@@ -143,8 +143,13 @@ def test_wrong_endpoint_fails_within_seconds_naming_it(run_id: str) -> None:
     assert time.monotonic() - start < 5
 
 
-def test_failover_to_a_live_endpoint_of_the_list(etcd: EtcdHandle, run_id: str) -> None:
+def test_failover_to_a_live_endpoint_of_the_list(make_client, etcd: EtcdHandle, run_id: str) -> None:
     dead = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    # The client starts on a random member: several clients make it near certain one starts on the dead one.
+    for i in range(6):
+        client = make_client(f"{dead},{etcd.endpoint}", run_id)
+        client.put(f"/elastictrain/{run_id}/k{i}", b"v")
+        assert client.get(f"/elastictrain/{run_id}/k{i}")[0] == b"v"
     handler = create_handler(_params(f"{dead},{etcd.endpoint}", run_id, 1, 1))
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()
