@@ -221,7 +221,10 @@ class ElasticAgent(LocalElasticAgent):
         return result
 
     def _hang_result(self, worker_group: WorkerGroup, hangs: list[Hang]) -> RunResult:
-        causes = [f"{h.describe()}, process {_process_state(h.pid)}" for h in hangs]
+        states = {h.pid: _process_state(h.pid) for h in hangs}
+        # A stopped (or D-state) process is the culprit whatever its step; the rest keep health's order.
+        hangs = sorted(hangs, key=lambda h: states[h.pid] not in _CULPRIT_STATES)
+        causes = [f"{h.describe()}, process state '{states[h.pid]}'" for h in hangs]
         cause = "; ".join(causes)
         log.error("[%s] worker group hung: %s; stopping it with SIGKILL", worker_group.spec.role, cause)
         self._pending_hang = hangs
@@ -284,8 +287,11 @@ def _failure_fields(global_rank: int, failure: ProcessFailure) -> dict[str, Any]
             "signal": failure.signal_name() if failure.exitcode < 0 else None, "message": failure.message}
 
 
+_CULPRIT_STATES = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP}
+
+
 def _process_state(pid: int) -> str:
     try:
-        return f"state '{psutil.Process(pid).status()}'"
+        return str(psutil.Process(pid).status())
     except psutil.NoSuchProcess:
         return "gone"

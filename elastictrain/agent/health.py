@@ -4,7 +4,7 @@ Rule: a running worker is hung when it has made no progress for longer than the 
   - never beat since it started:          ``startup_timeout_s``
   - train, calibrated (enough step times): ``max(hang_floor_s, step_time_multiplier x p95 step time)``
   - train, not yet calibrated:             ``warmup_timeout_s`` (first steps may compile, warm caches)
-  - init / load / save / paused:          their own allowance (never below the floor)
+  - init / load / save / paused / done:   their own allowance (never below the floor)
 Progress in ``train`` means a higher step; in the other phases any beat counts, since they do not advance steps.
 Step times are (time, step) deltas between consecutive train beats, pooled over the node's workers
 (they step in lockstep) and reset with every new worker group (the world size, hence step time, may change).
@@ -37,10 +37,12 @@ class HealthConfig:
     load_timeout_s: float = 900.0
     save_timeout_s: float = 900.0
     paused_timeout_s: float = 600.0
+    done_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("hang_floor_s", "step_time_multiplier", "startup_timeout_s", "warmup_timeout_s",
-                     "init_timeout_s", "load_timeout_s", "save_timeout_s", "paused_timeout_s"):
+                     "init_timeout_s", "load_timeout_s", "save_timeout_s", "paused_timeout_s",
+                     "done_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"health.{name} must be > 0, got {getattr(self, name)}; "
                                   "to turn hang detection off set enabled=False (--heartbeat-timeout 0)")
@@ -144,7 +146,7 @@ class HealthMonitor:
             return t, (f"timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
                        f"{c.step_time_multiplier:g} x p{round(c.step_time_quantile * 100)} step time {st:.3f}s)")
         allowance = {"init": c.init_timeout_s, "load": c.load_timeout_s, "save": c.save_timeout_s,
-                     "paused": c.paused_timeout_s}[phase]
+                     "paused": c.paused_timeout_s, "done": c.done_timeout_s}[phase]
         t = max(c.hang_floor_s, allowance)
         return t, f"{phase} allowance {t:g}s"
 

@@ -66,6 +66,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="allowance for the load phase (default %(default)s)")
     g.add_argument("--heartbeat-save-timeout", type=float, default=_DEFAULT_HEALTH.save_timeout_s,
                    help="allowance for the save phase (default %(default)s)")
+    g.add_argument("--heartbeat-done-timeout", type=float, default=_DEFAULT_HEALTH.done_timeout_s,
+                   help="allowance for the done phase: final save, summary, teardown (default %(default)s)")
     g.add_argument("--event-log", default=None,
                    help="append agent events (join, restart, failure, hang, ...) as JSON lines to this file")
     return parser
@@ -83,6 +85,7 @@ def health_from_args(args: argparse.Namespace) -> HealthConfig:
         paused_timeout_s=args.heartbeat_init_timeout,
         load_timeout_s=args.heartbeat_load_timeout,
         save_timeout_s=args.heartbeat_save_timeout,
+        done_timeout_s=args.heartbeat_done_timeout,
     )
 
 

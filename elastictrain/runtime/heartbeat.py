@@ -35,7 +35,8 @@ ENV_HEARTBEAT_MIN_INTERVAL = "ELASTICTRAIN_HEARTBEAT_MIN_INTERVAL"
 DEFAULT_MIN_INTERVAL_S = 0.05
 """Beats within this interval of the last sent one are skipped (phase changes are always sent)."""
 
-PHASES: tuple[str, ...] = ("init", "load", "train", "save", "paused")
+# "done": the training loop is over (final save, summary, process-group teardown): no more steps to judge by.
+PHASES: tuple[str, ...] = ("init", "load", "train", "save", "paused", "done")
 _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
 
 _WIRE_VERSION = 1
@@ -107,7 +108,7 @@ class Heartbeat:
         return self._sock is not None
 
     def beat(self, step: int, phase: str = "train") -> None:
-        """Report progress: ``step`` is the global step, ``phase`` one of init/load/train/save/paused."""
+        """Report progress: ``step`` is the global step, ``phase`` one of init/load/train/save/paused/done."""
         if self._sock is None:
             return
         if phase not in _PHASE_CODE:

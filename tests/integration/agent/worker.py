@@ -40,6 +40,7 @@ def main() -> None:
         time.sleep(a.step_s)
         hb.beat(step, "train")
         _write(progress, {"pid": os.getpid(), "step": step, "restart": restart})
+    hb.beat(a.steps, "done")
     dist.barrier()
     dist.destroy_process_group()
     _write(os.path.join(a.progress_dir, f"rank{rank}.done"), {"pid": os.getpid(), "restart": restart})

@@ -8,7 +8,7 @@ from elastictrain.runtime.heartbeat import Beat
 
 CFG = HealthConfig(hang_floor_s=2.0, step_time_multiplier=5.0, calibration_min_steps=5, startup_timeout_s=10.0,
                    warmup_timeout_s=20.0, init_timeout_s=30.0, load_timeout_s=40.0, save_timeout_s=50.0,
-                   paused_timeout_s=60.0)
+                   paused_timeout_s=60.0, done_timeout_s=70.0)
 
 
 def monitor(cfg: HealthConfig = CFG, pids: dict[int, int] | None = None) -> HealthMonitor:
@@ -74,7 +74,8 @@ def test_uncalibrated_train_phase_uses_warmup_allowance():
     assert len(m.check(3.0 + 20.1)) == 1
 
 
-@pytest.mark.parametrize("phase,allowance", [("init", 30.0), ("load", 40.0), ("save", 50.0), ("paused", 60.0)])
+@pytest.mark.parametrize("phase,allowance", [("init", 30.0), ("load", 40.0), ("save", 50.0), ("paused", 60.0),
+                                             ("done", 70.0)])
 def test_non_train_phases_have_their_own_allowance(phase, allowance):
     m = monitor()
     train(m, 1.0, range(20), step_s=0.1)  # calibrated: train timeout is the 2 s floor
