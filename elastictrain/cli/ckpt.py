@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional, TypeVar
 
 from elastictrain.checkpoint.discovery import CheckpointInfo, list_checkpoints, verify_files
-from elastictrain.checkpoint.manifest import MARKER_NAME, sha256_stream
+from elastictrain.checkpoint.manifest import MARKER_NAME, parse_step_dir, sha256_stream
 from elastictrain.checkpoint.retention import plan_retention
 from elastictrain.checkpoint.storage import Storage, explain_storage_error, open_storage
 from elastictrain.errors import CheckpointError, ElastictrainError, StorageError
@@ -117,6 +117,9 @@ def load_checkpoints(storage: Storage) -> list[CheckpointInfo]:
         if _bucket_missing(storage):
             raise StorageError(f"no checkpoints at {storage.url}: bucket {storage.root.split('/', 1)[0]!r} does "
                                f"not exist at this endpoint; check the URL and --storage-option endpoint_url")
+        if files and parse_step_dir(storage.root.rstrip("/").rsplit("/", 1)[-1]) is not None:
+            raise CheckpointError(f"{storage.url} is one checkpoint, not a checkpoint root; pass its parent "
+                                  f"(the job's checkpoint.url) and select it with --step")
         where = "the path does not exist" if storage.is_local and not _guarded(
             storage, "list", lambda: storage.fs.exists(storage.root)) else f"{len(files)} other file(s) there"
         raise CheckpointError(f"no checkpoints at {storage.url} (no step-NNNNNNNN directories; {where}); "
@@ -135,12 +138,14 @@ def _select(checkpoints: list[CheckpointInfo], step: Optional[int], url: str) ->
 
 
 def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
         size /= 1024
-    return f"{n} B"  # unreachable; keeps type checkers content
+    return f"{size:.1f} TiB"
 
 
 def human_age(seconds: float) -> str:

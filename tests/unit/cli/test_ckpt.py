@@ -180,6 +180,12 @@ def test_bad_urls_and_empty_roots_are_one_line_errors_with_exit_2(capsys, tmp_pa
     assert message.format(tmp=tmp_path) in err
 
 
+def test_a_single_checkpoint_directory_as_url_says_to_pass_its_parent(capsys, storage, root):
+    write_checkpoint(storage, 2)
+    rc, _, err = run(capsys, "ls", str(root / "step-00000002"))
+    assert rc == 2 and "step-00000002 is one checkpoint, not a checkpoint root; pass its parent" in err
+
+
 def test_storage_options_nest_on_dots_and_keep_values_as_strings():
     opts = ckpt.parse_storage_options(["endpoint_url=http://127.0.0.1:9000", "key=0123", "anon=false",
                                        "client_kwargs.region_name=eu-west-1", "config_kwargs.connect_timeout=3"])
