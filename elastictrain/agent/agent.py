@@ -139,13 +139,16 @@ class ElasticAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self._ensure_channel()
-        outcome = "error"
+        outcome = "unknown"
         try:
             result = super().run(role)
             outcome = result.state.value if result is not None else "rendezvous closed"
             return result
         except SignalException as e:
             outcome = f"signal {e.sigval.name}"
+            raise
+        except Exception as e:
+            outcome = f"error: {type(e).__name__}: {e}"
             raise
         finally:
             self._emit("leave", outcome=outcome)
