@@ -92,6 +92,8 @@ class TrainConfig:
     stop_at: int = 0
     """Leave (saving a checkpoint) once this global step is done, e.g. before maintenance; the LR schedule
     still spans train.steps. 0: run to train.steps."""
+    param_digest: bool = True
+    """sha256 of the final full parameters in the summary (a full gather to rank 0: off for big models)."""
     audit_samples: bool = False
     """Append every step's consumed sample ids per rank to <output_dir>/samples/ (exactly-once audits)."""
 

@@ -32,6 +32,7 @@ from elastictrain.recipes.model import build_model, build_optimizer, shard_model
 from elastictrain.runtime.audit import SampleLedger
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 from elastictrain.runtime.data import build_source
+from elastictrain.runtime.exitcodes import EXIT_CONFIG, EXIT_REFORM
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.determinism import (
     capture_rng_state, configure_determinism, derive_seed, restore_rng_state, seed_everything,
@@ -55,6 +56,8 @@ class RunSummary:
     step_time_s_median: float
     wall_s: float
     stopped_early: bool
+    stopped_by_peer: bool
+    """Another rank (a draining node) asked to stop; this rank's node goes on in a re-formed group."""
     param_digest: str
     resumed_from: Optional[str] = None
     losses: dict[int, float] = field(default_factory=dict)
@@ -208,7 +211,7 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         t0 = time.monotonic()
-        stopped_early = False
+        stopped_early = stopped_by_peer = False
         end = min(t.steps, t.stop_at) if t.stop_at else t.steps
         while self.step < end:
             ts = time.monotonic()
@@ -230,12 +233,15 @@ class Trainer:
                 self.checkpointer.after_step(self, final=self.step == end, stopping=bool(stop))
             if stop:
                 stopped_early = True
-                log.warning("stop requested: leaving at step %d", self.step)
+                stopped_by_peer = not self.stop.requested
+                log.warning("stop requested%s: leaving at step %d", " by another rank" if stopped_by_peer else "",
+                            self.step)
                 break
         wall = time.monotonic() - t0
+        self.heartbeat.beat(self.step, "done")  # the final save and digest are not a hang
         if self.checkpointer is not None:
             self.checkpointer.close()
-        digest = param_digest(self.model)
+        digest = param_digest(self.model) if t.param_digest else ""
         if self.ledger is not None:
             self.ledger.close()
         med = statistics.median(step_times) if step_times else 0.0
@@ -243,7 +249,8 @@ class Trainer:
             world_size=s.world_size, start_step=start_step, final_step=self.step,
             samples_consumed=self.cursor.samples_consumed, final_loss=losses.get(self.step),
             tokens_per_s=(tokens_per_step / med) if med else 0.0, step_time_s_median=med, wall_s=wall,
-            stopped_early=stopped_early, param_digest=digest, resumed_from=resumed_from, losses=losses)
+            stopped_early=stopped_early, stopped_by_peer=stopped_by_peer, param_digest=digest,
+            resumed_from=resumed_from, losses=losses)
 
 
 def write_summary(summary: RunSummary, output_dir: Path) -> None:
@@ -270,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ElastictrainError as e:
         sys.stderr.write(f"elastictrain: error: {e}\n")
-        return 2
+        return EXIT_CONFIG
     setup_logging(cfg.logging.level, cfg.logging.json)
     heartbeat = Heartbeat.from_env()  # first: ties this worker's life to its agent's
     session = Session(cfg.train).start()
@@ -281,9 +288,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = trainer.run()
         if session.is_main:
             write_summary(summary, Path(cfg.train.output_dir))
+        if summary.stopped_by_peer:
+            return EXIT_REFORM
     except ElastictrainError as e:
         log.error("%s", e)
-        return 2
+        return EXIT_CONFIG
     finally:
         session.close()
         heartbeat.close()
