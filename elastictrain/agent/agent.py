@@ -27,8 +27,10 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
 from elastictrain.errors import AgentError
+from elastictrain.runtime.exitcodes import EXIT_REFORM
 from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ MAX_MONITOR_INTERVAL_S = 0.5
 _MAX_DRAIN = 10_000
 _UNIX_PATH_MAX = 107
 
-EVENT_KINDS = ("join", "restart", "failure", "hang", "succeeded", "leave")
+EVENT_KINDS = ("join", "restart", "failure", "hang", "reform", "succeeded", "leave")
 """Kinds passed to ``AgentEventListener.on_event``."""
 
 
@@ -108,6 +110,7 @@ class ElasticAgent(LocalElasticAgent):
         *,
         health: HealthConfig | None = None,
         listeners: Sequence[AgentEventListener] = (),
+        budget: RestartBudget | None = None,
         start_method: str = "spawn",
         exit_barrier_timeout: float = 300,
         log_line_prefix_template: str | None = None,
@@ -121,6 +124,9 @@ class ElasticAgent(LocalElasticAgent):
         self._clock = clock
         self._channel: _HeartbeatChannel | None = None
         self._pending_hang: list[Hang] = []
+        self._budget = budget
+        self._reform = False
+        self._last_cause = ""
         self._hostname = socket.gethostname()
         if spec.monitor_interval > MAX_MONITOR_INTERVAL_S:
             log.warning("monitor interval %.2fs is above %.1fs: worker exits will be noticed late",
@@ -184,9 +190,27 @@ class ElasticAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
+        if failed and self._reform:
+            # Workers stopped cleanly because a peer node drained: re-form, free of charge.
+            self._remaining_restarts += 1
+            failed = False
+        self._reform = False
+        if failed and self._budget is not None:
+            steps = [w.step for w in self._health.workers.values() if w.step is not None]
+            try:
+                rec = self._budget.charge(_rdzv_round(worker_group), self._node_id(), self._last_cause,
+                                          max(steps) if steps else None)
+            except AgentError as e:
+                self._emit("budget_exhausted", cause=str(e))
+                raise
+            log.info("restart charged to round %d (%d of %d used)", rec.round, self._budget.used(tolerant=True),
+                     self._budget.max_restarts)
         self._emit("restart", reason="failure" if failed else "membership change",
                    remaining_restarts=self._remaining_restarts)
         super()._restart_workers(worker_group)
+
+    def _node_id(self) -> str:
+        return getattr(self._worker_group.spec.rdzv_handler, "this_node", None) or f"{self._hostname}_{os.getpid()}"
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         if self._pending_hang:
@@ -216,7 +240,12 @@ class ElasticAgent(LocalElasticAgent):
                 return self._hang_result(worker_group, hangs)
         elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             failures = [_failure_fields(rank, f) for rank, f in sorted(result.failures.items())]
+            if failures and all(f["exitcode"] == EXIT_REFORM for f in failures):
+                self._reform = True
+                self._emit("reform", cause="a peer node drained; state saved, re-forming the group")
+                return result
             cause = "; ".join(f"rank {f['global_rank']}: {f['message']}" for f in failures) or result.state.value
+            self._last_cause = cause
             log.error("[%s] worker group %s: %s", worker_group.spec.role, result.state.value, cause)
             self._emit("failure", state=result.state.value, cause=cause, failures=failures)
         elif result.state == WorkerState.SUCCEEDED:
@@ -230,6 +259,7 @@ class ElasticAgent(LocalElasticAgent):
         causes = [f"{h.describe()}, process state '{states[h.pid]}'" for h in hangs]
         cause = "; ".join(causes)
         log.error("[%s] worker group hung: %s; stopping it with SIGKILL", worker_group.spec.role, cause)
+        self._last_cause = f"hang: {cause}"
         self._pending_hang = hangs
         self._emit("hang", cause=cause, workers=[asdict(h) for h in hangs])
         failures: dict[int, ProcessFailure] = {}
@@ -282,6 +312,15 @@ class ElasticAgent(LocalElasticAgent):
                 listener.on_event(kind, base)
             except Exception:
                 log.exception("agent event listener %r failed on %s event", listener, kind)
+
+
+def _rdzv_round(worker_group: WorkerGroup) -> int:
+    """The rendezvous round the group was formed in (torch's dynamic rendezvous keeps it in its state)."""
+    holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    if state is None or not hasattr(state, "round"):
+        raise AgentError("a job-wide restart budget needs a dynamic rendezvous (etcd3 or c10d backend)")
+    return int(state.round)
 
 
 def _failure_fields(global_rank: int, failure: ProcessFailure) -> dict[str, Any]:

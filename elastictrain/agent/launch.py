@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser as torchrun_args_parser
 
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
+from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ def launch(
     *,
     health: HealthConfig | None = None,
     listeners: Sequence[AgentEventListener] = (),
+    budget: RestartBudget | None = None,
+    on_agent: Callable[[ElasticAgent], None] | None = None,
 ) -> dict[int, Any]:
     """Run our agent until the worker group finishes, like torch's ``launch_agent``.
 
@@ -159,6 +162,7 @@ def launch(
         config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
         health=health,
         listeners=listeners,
+        budget=budget,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout if config.shutdown_timeout is not None else 30,
@@ -167,6 +171,8 @@ def launch(
              "health %s", config.min_nodes, config.max_nodes, config.nproc_per_node, config.rdzv_backend,
              config.rdzv_endpoint, config.run_id, config.max_restarts, health or HealthConfig())
 
+    if on_agent is not None:
+        on_agent(agent)
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))

@@ -11,23 +11,9 @@ from elastictrain.errors import ElastictrainError
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="train a job from a YAML config on this machine (or as one node of many)",
-                       description="Validate the config, then launch the workers under torch.distributed.elastic.")
-    p.add_argument("--config", required=True, help="YAML job file, e.g. configs/tiny-cpu.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a config field, e.g. --set train.steps=200 (repeatable)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="worker processes on this node (default: elastic.nproc_per_node)")
-    p.set_defaults(func=_cmd_run)
+    from elastictrain.agent.job import add_run_parser
 
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from elastictrain.launcher import launch_local
-    from elastictrain.config import load_config
-
-    cfg = load_config(args.config, args.overrides)  # fail fast, before any worker starts
-    nproc = args.nproc_per_node or cfg.elastic.nproc_per_node
-    return launch_local(args.config, args.overrides, nproc)
+    add_run_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     try:
+        if args.command == "run":
+            from elastictrain.agent.job import main_run
+
+            return main_run(args, extra)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
     except ElastictrainError as e:
         sys.stderr.write(f"elastictrain: error: {e}\n")

@@ -1,0 +1,149 @@
+"""`elastictrain run`: one node of a job — our agent, the etcd v3 rendezvous, status and budget in etcd.
+
+    elastictrain run --config job.yaml [--set f=v ...] [torchrun flags] [--heartbeat-* flags]
+
+Defaults for the torchrun flags come from the config's `elastic` section; flags given on the command line win.
+Without an etcd endpoint (flag or `elastic.rdzv_endpoint`) a single-node job starts an embedded etcd on a
+free loopback port and stops it at exit. A node re-joins by running the same command again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from contextlib import ExitStack
+from typing import Any, Optional, Sequence
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
+from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.launch import get_args_parser, launch, parse_args
+from elastictrain.agent.status import EtcdStatusPublisher
+from elastictrain.config import JobConfig, load_config
+from elastictrain.errors import AgentError, ConfigError
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.embedded import EmbeddedEtcd
+from elastictrain.rendezvous.settings import EtcdSettings
+
+log = logging.getLogger(__name__)
+
+RECIPE_MODULE = "elastictrain.recipes.lm"
+
+
+def _flag_given(argv: Sequence[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _flag_value(argv: Sequence[str], *names: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def torchrun_argv(cfg: JobConfig, config_path: str, overrides: Sequence[str], user_argv: Sequence[str],
+                  endpoint: str) -> list[str]:
+    """torchrun-style argv: config defaults, then the user's flags (which win), then the recipe."""
+    e = cfg.elastic
+    argv = [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--nproc-per-node={e.nproc_per_node}",
+            f"--max-restarts={e.max_restarts}", "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={e.run_id}", f"--heartbeat-timeout={e.heartbeat_timeout_s}"]
+    if not _flag_given(user_argv, "--rdzv-conf", "--rdzv_conf"):
+        argv.append(f"--rdzv-conf=lease_ttl={e.lease_ttl_s:g},last_call_timeout={e.join_grace_s:g},"
+                    f"join_timeout={e.rdzv_timeout_s:g}")
+    argv += list(user_argv)
+    argv += ["-m", RECIPE_MODULE, "--config", config_path]
+    for o in overrides:
+        argv += ["--set", o]
+    return argv
+
+
+def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]) -> int:
+    """Run this node's agent until the job ends; returns the process exit code."""
+    cfg = load_config(config_path, list(overrides))  # fail fast, before anything starts
+    bad = [a for a in user_argv if not a.startswith("-")]
+    if bad or _flag_given(user_argv, "-m", "--module", "--no-python", "--standalone"):
+        raise ConfigError(f"elastictrain run takes torchrun flags but no script or --standalone (got "
+                          f"{' '.join(user_argv)}); the config names what to train")
+    endpoint = _flag_value(user_argv, "--rdzv-endpoint", "--rdzv_endpoint") or cfg.elastic.rdzv_endpoint
+    run_id = _flag_value(user_argv, "--rdzv-id", "--rdzv_id") or cfg.elastic.run_id
+    with ExitStack() as stack:
+        if endpoint is None:
+            nnodes = _flag_value(user_argv, "--nnodes") or f"{cfg.elastic.min_nodes}:{cfg.elastic.max_nodes}"
+            if nnodes not in ("1", "1:1"):
+                raise ConfigError(f"a multi-node job (--nnodes {nnodes}) needs an etcd: pass --rdzv-endpoint "
+                                  f"host:2379[,host:2379...] or set elastic.rdzv_endpoint")
+            etcd = stack.enter_context(EmbeddedEtcd())
+            endpoint = etcd.endpoint
+            log.info("no etcd endpoint given: started an embedded etcd at %s (pid %s)", endpoint, etcd.pid)
+        request = parse_args(torchrun_argv(cfg, config_path, overrides, user_argv, endpoint))
+        settings = EtcdSettings.from_conf(endpoint, run_id, request.config.rdzv_configs)
+        client = EtcdClient(settings)
+        client.connect()
+        stack.callback(client.close)
+        budget = RestartBudget(client, settings.run_prefix, request.config.max_restarts)
+        publisher: Optional[EtcdStatusPublisher] = None
+        agent_ref: dict[str, Any] = {}
+
+        def on_agent(agent: ElasticAgent) -> None:
+            nonlocal publisher
+            agent_ref["agent"] = agent
+            node = getattr(agent.get_worker_group().spec.rdzv_handler, "this_node", None)
+            publisher = EtcdStatusPublisher(client, settings.run_prefix, node or f"{os.uname().nodename}_{os.getpid()}",
+                                            max_restarts=request.config.max_restarts, budget=budget)
+            agent.add_listener(publisher)
+            publisher.attach(agent)
+            stack.callback(publisher.close)
+
+        listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
+        try:
+            launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
+                   budget=budget, on_agent=on_agent)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            log.error("job failed: rank %s exited with %s: %s", rank, failure.exitcode, failure.message)
+            return failure.exitcode if failure.exitcode > 0 else 1
+        except SignalException as e:
+            # A drain: workers finished their step and saved; leave the rendezvous at once so the others
+            # re-form without waiting for our lease to expire.
+            agent = agent_ref.get("agent")
+            liveness = getattr(agent.get_worker_group().spec.rdzv_handler, "liveness", None) if agent else None
+            if liveness is not None:
+                liveness.stop()
+            if publisher is not None:
+                publisher.on_event("drain", {"signal": e.sigval.name})
+            log.warning("node drained on %s", e.sigval.name)
+            return 0 if e.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(e.sigval)
+        except AgentError as e:
+            log.error("%s", e)
+            return 1
+    return 0
+
+
+def add_run_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run", help="train a job from a YAML config on this node (run the same command on every node)",
+        description=__doc__.split("\n\n")[0], epilog="torchrun flags (--nnodes, --nproc-per-node, --rdzv-endpoint, "
+        "--rdzv-id, --max-restarts, --rdzv-conf, ...) and --heartbeat-* flags are accepted; see "
+        "`python -m elastictrain.agent.launch --help`.")
+    p.add_argument("--config", required=True, help="YAML job file, e.g. configs/tiny-cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, e.g. --set train.steps=200 (repeatable)")
+
+
+def main_run(args: Any, extra: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # torchrun's parser would exit(2) on an unknown flag with usage text; check first for a clear error
+    known = {s for a in get_args_parser()._actions for s in a.option_strings}
+    unknown = [a.split("=", 1)[0] for a in extra if a.startswith("--") and a.split("=", 1)[0] not in known]
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {', '.join(unknown)} for elastictrain run; see elastictrain run --help")
+    return run_job(args.config, args.overrides, extra)
