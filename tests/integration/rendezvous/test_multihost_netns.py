@@ -104,7 +104,9 @@ def fabric() -> Iterator[Fabric]:
         fab.down()
 
 
-def test_cutting_one_host_off_leaves_the_others_training(fabric: Fabric, tmp_path: Path, run_id: str) -> None:
+def test_cutting_one_host_off_leaves_the_others_training(
+    fabric: Fabric, tmp_path: Path, run_id: str, record_property
+) -> None:
     etcd = EmbeddedEtcd(host=ETCD_IP, port=2379, peer_port=2380, command_prefix=["ip", "netns", "exec", fabric.ns["etcd"]])
     agents: list[Agent] = []
     try:
@@ -114,7 +116,8 @@ def test_cutting_one_host_off_leaves_the_others_training(fabric: Fabric, tmp_pat
             agents.append(
                 start_agent(
                     name, tmp_path, [*args, f"--local-addr={addr}"], nnodes="2:3",
-                    env={"GLOO_SOCKET_IFNAME": "eth0"}, prefix=["ip", "netns", "exec", fabric.ns[name]],
+                    # A long collective timeout: recovery must come from the lease, not from gloo.
+                    env={"GLOO_SOCKET_IFNAME": "eth0", "PG_TIMEOUT": "120"}, prefix=["ip", "netns", "exec", fabric.ns[name]],
                 )
             )  # fmt: skip
         steps = wait_for(tmp_path, lambda s: sum(x.world == 3 for x in s) >= 9, 120, agents)
@@ -131,8 +134,10 @@ def test_cutting_one_host_off_leaves_the_others_training(fabric: Fabric, tmp_pat
         )
         after = [s for s in steps if s.time > cut_at and s.world == 2]
         assert {s.tag for s in after} == survivors
-        # Survivors notice through the lease (ttl 2 s), not the 20 s collective timeout.
-        assert after[0].time - cut_at < 20, after[0].time - cut_at
+        # Survivors notice through the lease (ttl 2 s), not the 120 s collective timeout.
+        recovery = after[0].time - cut_at
+        record_property("recovery_s", round(recovery, 2))
+        assert recovery < 15, recovery
     finally:
         for agent in agents:
             for pid in [agent.proc.pid, *agent.descendants()]:
