@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastictrain.rendezvous.embedded import EmbeddedEtcd, _free_port, find_etcd_binary  # noqa: E402
+from elastictrain.rendezvous.embedded import EmbeddedEtcd, free_port, find_etcd_binary  # noqa: E402
 from tests.integration.rendezvous.launch import Agent, etcd3_args, start_agent, wait_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "rendezvous.json"
@@ -79,7 +79,7 @@ def recovery_once(backend: str, conf_name: str, kill_first: bool, endpoint: str 
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # stock torchrun needs it to restart cleanly
     with tempfile.TemporaryDirectory(prefix="rdzv-bench-") as tmp:
         work = Path(tmp)
-        port = _free_port("127.0.0.1")
+        port = free_port("127.0.0.1")
         if backend == "etcd3":
             assert endpoint is not None
             args = etcd3_args(endpoint, run_id, **ETCD3_CONFS[conf_name])

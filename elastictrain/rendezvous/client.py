@@ -300,9 +300,13 @@ class EtcdClient:
         """Revoke a lease, deleting the keys bound to it."""
         self.call("lease revoke", lambda c: c.revoke_lease(lease_id), tolerance=self.settings.request_timeout)
 
-    def watch_prefix(self, prefix: str, callback: Callable[[Any], None]) -> int:
-        """Call `callback(response_or_exception)` for every change under `prefix`; return the watch id."""
-        return int(self.call(f"watch {prefix}", lambda c: c.add_watch_prefix_callback(prefix, callback)))
+    def watch_prefix(self, prefix: str, callback: Callable[[Any], None], tolerance: float | None = None) -> int:
+        """Call `callback(response_or_exception)` for every change under `prefix`; return the watch id.
+
+        A broken stream (etcd restart, member failover) reaches the callback as an exception or None;
+        the caller then watches again.
+        """
+        return int(self.call(f"watch {prefix}", lambda c: c.add_watch_prefix_callback(prefix, callback), tolerance))
 
     def cancel_watch(self, watch_id: int) -> None:
         """Stop a watch; ignore errors (the watcher may already be gone)."""

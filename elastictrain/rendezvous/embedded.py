@@ -22,7 +22,8 @@ from elastictrain.errors import RendezvousError
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (another process may still take it before we bind)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -61,10 +62,12 @@ class EmbeddedEtcd:
         tls_key: str | None = None,
         tls_ca: str | None = None,
         command_prefix: list[str] | None = None,
+        name: str = "elastictrain",
+        initial_cluster: str | None = None,
     ) -> None:
         self.host = host
-        self.port = port or _free_port(host)
-        self.peer_port = peer_port or _free_port(host)
+        self.port = port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self._own_data_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._extra_args = list(extra_args or [])
@@ -77,6 +80,9 @@ class EmbeddedEtcd:
         # e.g. ["ip", "netns", "exec", NS]: run (and health-check) the server inside another network
         # namespace, which this process cannot reach directly.
         self._prefix = list(command_prefix or [])
+        # A member of a multi-member cluster (tests of endpoint failover) names its peers here.
+        self.name = name
+        self._initial_cluster = initial_cluster
 
     @property
     def endpoint(self) -> str:
@@ -93,8 +99,17 @@ class EmbeddedEtcd:
         """PID of the running server, or None."""
         return self._proc.pid if self._proc is not None else None
 
-    def start(self) -> EmbeddedEtcd:
-        """Start the server and block until its /health endpoint answers."""
+    @property
+    def peer_url(self) -> str:
+        """The peer URL, for `initial_cluster` strings."""
+        return f"http://{self.host}:{self.peer_port}"
+
+    def start(self, wait: bool = True) -> EmbeddedEtcd:
+        """Start the server and (unless `wait` is False) block until its /health endpoint answers.
+
+        Members of a new cluster are started with `wait=False` and then awaited with
+        `wait_healthy()`: none is healthy before a quorum runs.
+        """
         if self._proc is not None and self._proc.poll() is None:
             return self
         client_url = f"{self._scheme}://{self.host}:{self.port}"
@@ -102,13 +117,13 @@ class EmbeddedEtcd:
         cmd = [
             *self._prefix,
             find_etcd_binary(),
-            "--name", "elastictrain",
+            "--name", self.name,
             "--data-dir", os.path.join(self.data_dir, "data"),
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url,
             "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"elastictrain={peer_url}",
+            "--initial-cluster", self._initial_cluster or f"{self.name}={peer_url}",
             "--log-level", "warn",
             *self._extra_args,
         ]  # fmt: skip
@@ -123,10 +138,12 @@ class EmbeddedEtcd:
         finally:
             log.close()
         logger.info("started etcd pid=%s on %s (data %s)", self._proc.pid, client_url, self.data_dir)
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
         return self
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
+        """Block until the server reports healthy; RendezvousError after the startup timeout."""
         deadline = time.monotonic() + self._startup_timeout
         url = f"{self._scheme}://{self.host}:{self.port}/health"
         context = None

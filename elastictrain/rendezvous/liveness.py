@@ -111,7 +111,9 @@ class NodeLiveness:
 
     def _start_watch(self) -> None:
         try:
-            self._watch_id = self._client.watch_prefix(self._prefix, self._on_watch)
+            # Bounded: this runs in the keep-alive loop, which must keep its rhythm during an outage.
+            tolerance = max(self._ttl / 3.0, 0.5)
+            self._watch_id = self._client.watch_prefix(self._prefix, self._on_watch, tolerance)
             self._watch_broken.clear()
         except Exception:  # noqa: BLE001 - the periodic reseed covers a missing watch
             logger.warning("cannot watch %s; relying on periodic reads", self._prefix, exc_info=True)

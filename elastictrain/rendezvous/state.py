@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # The longest a waiting node goes without reading the state, should a watch event be missed.
 _MAX_WAIT_S = 1.0
+# A broken watch (etcd restart, failover) is re-established at most this often, each try bounded.
+_REWATCH_EVERY_S = 1.0
+_REWATCH_TOLERANCE_S = 0.5
 
 
 def node_id(node: _NodeDesc) -> str:
@@ -60,21 +64,34 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         self._etcd_backend = backend
         self._changed = threading.Event()
         self._watch_id: int | None = None
+        self._client: EtcdClient | None = None
+        self._watch_broken = False
+        self._last_watch_attempt = 0.0
 
     def watch(self, client: EtcdClient) -> None:
         """Start watching the state key; without the watch, waits fall back to 1 s polling."""
+        self._client = client
+        self._last_watch_attempt = time.monotonic()
         try:
-            self._watch_id = client.watch_prefix(self._etcd_backend.key, self.notify)
-        except Exception:  # noqa: BLE001 - polling still works
-            logger.warning("cannot watch %s; polling instead", self._etcd_backend.key, exc_info=True)
+            self._watch_id = client.watch_prefix(self._etcd_backend.key, self._on_watch, _REWATCH_TOLERANCE_S)
+            self._watch_broken = False
+        except Exception as exc:  # noqa: BLE001 - polling still works
+            logger.warning("cannot watch %s (%s); polling until it works", self._etcd_backend.key, exc)
+            self._watch_broken = True
 
     def unwatch(self, client: EtcdClient) -> None:
         """Stop the watch."""
         if self._watch_id is not None:
             client.cancel_watch(self._watch_id)
 
-    def notify(self, _event: Any = None) -> None:
-        """Something changed (state written, node record gone, or a watch broke): re-read next time."""
+    def notify(self) -> None:
+        """Something changed (e.g. a node record vanished): re-read the state next time."""
+        self._changed.set()
+
+    def _on_watch(self, event: Any) -> None:
+        # pyetcd reports a broken stream as an exception (or None) through the callback.
+        if event is None or isinstance(event, Exception):
+            self._watch_broken = True
         self._changed.set()
 
     def wait_for_change(self, timeout: float) -> None:
@@ -86,6 +103,11 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         if self._changed.is_set():
             self._changed.clear()
             self._last_sync_time = -1
+        if self._watch_broken:
+            # Reads bypass the cache until the watch is back, so no change goes unseen meanwhile.
+            self._last_sync_time = -1
+            if self._client is not None and time.monotonic() - self._last_watch_attempt > _REWATCH_EVERY_S:
+                self.watch(self._client)
         return super().sync()
 
     def _sanitize(self) -> None:

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastictrain.errors import RendezvousError
-from elastictrain.rendezvous.embedded import EmbeddedEtcd, _free_port
+from elastictrain.rendezvous.embedded import EmbeddedEtcd, free_port
 from elastictrain.rendezvous.etcd_handler import EtcdRendezvousHandler, create_handler
 from tests.fixtures.etcd import EtcdHandle
 
@@ -121,6 +121,11 @@ def test_etcd_outage_of_a_few_seconds_is_ridden_out(etcd_private: EtcdHandle, ru
     time.sleep(2.5)  # > a keep-alive period: leases must have been refreshed, none expired
     assert handlers[0].num_nodes_waiting() == 0
     assert handlers[1].num_nodes_waiting() == 0
+    time.sleep(1.1)
+    handlers[0].num_nodes_waiting()
+    # The watches broken by the restart are back (no silent fallback to polling).
+    assert not handlers[0]._state_holder._watch_broken
+    assert not handlers[0].liveness._watch_broken.is_set()
     for h in handlers:
         h.shutdown()
 
@@ -136,7 +141,7 @@ def test_a_finished_run_id_can_be_reused(etcd: EtcdHandle, run_id: str) -> None:
 
 
 def test_wrong_endpoint_fails_within_seconds_naming_it(run_id: str) -> None:
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     start = time.monotonic()
     with pytest.raises(RendezvousError, match=f"127.0.0.1:{port}"):
         create_handler(_params(f"127.0.0.1:{port}", run_id, connect_timeout=2))
@@ -144,7 +149,7 @@ def test_wrong_endpoint_fails_within_seconds_naming_it(run_id: str) -> None:
 
 
 def test_failover_to_a_live_endpoint_of_the_list(make_client, etcd: EtcdHandle, run_id: str) -> None:
-    dead = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    dead = f"127.0.0.1:{free_port('127.0.0.1')}"
     # The client starts on a random member: several clients make it near certain one starts on the dead one.
     for i in range(6):
         client = make_client(f"{dead},{etcd.endpoint}", run_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.rendezvous.embedded import _free_port
+from elastictrain.rendezvous.embedded import free_port
 from tests.fixtures.etcd import EtcdHandle
 from tests.integration.rendezvous.launch import TORCHRUN, WORKER, Agent, etcd3_args, start_agent, wait_for
 
@@ -85,7 +85,7 @@ def test_etcd_outage_of_a_few_seconds_does_not_restart_training(etcd_private: Et
 
 
 def test_torchrun_with_an_unreachable_endpoint_fails_fast_naming_it(tmp_path: Path, run_id: str) -> None:
-    endpoint = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
     start = time.monotonic()
     out = subprocess.run(
         [TORCHRUN, "--nnodes=1", "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
