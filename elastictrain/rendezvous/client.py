@@ -90,11 +90,11 @@ class EtcdClient:
         creds = None
         if s.tls:
             creds = MultiEndpointEtcd3Client.get_secure_creds(s.cacert, s.key, s.cert)
+        # netloc keeps IPv6 hosts bracketed, as gRPC targets need.
         endpoints = [
-            Endpoint(ep.netloc.rsplit(":", 1)[0], ep.port, secure=s.tls, creds=creds,
-                                 time_retry=_ENDPOINT_RETRY_S)
+            Endpoint(ep.netloc.rsplit(":", 1)[0], ep.port, secure=s.tls, creds=creds, time_retry=_ENDPOINT_RETRY_S)
             for ep in s.endpoints
-        ]  # fmt: skip
+        ]
         client = MultiEndpointEtcd3Client(
             endpoints=endpoints, timeout=timeout, user=s.user, password=s.password, failover=True
         )
@@ -127,10 +127,13 @@ class EtcdClient:
         attempt = 0
         while True:
             attempt += 1
+            client: MultiEndpointEtcd3Client | None = None
             try:
                 client = self._build(min(s.request_timeout, s.connect_timeout))
                 client.get(f"{s.run_prefix}/probe")
             except (grpc.RpcError, etcd_exc.Etcd3Exception, OSError) as exc:
+                if client is not None:
+                    client.close()
                 last = exc
                 if not _is_transient(exc):
                     raise self._fatal_error(exc) from exc
