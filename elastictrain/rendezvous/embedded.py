@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -137,6 +138,8 @@ class EmbeddedEtcd:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
+        # A caller that forgets close() (or exits on an exception) must not leave etcd running.
+        atexit.register(self.close)
         logger.info("started etcd pid=%s on %s (data %s)", self._proc.pid, client_url, self.data_dir)
         if wait:
             self.wait_healthy()
@@ -194,6 +197,7 @@ class EmbeddedEtcd:
 
     def close(self) -> None:
         """Stop the server and remove the data dir we created."""
+        atexit.unregister(self.close)
         self.stop()
         if self._own_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

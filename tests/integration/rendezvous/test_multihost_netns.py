@@ -137,7 +137,7 @@ def test_cutting_one_host_off_leaves_the_others_training(
         # Survivors notice through the lease (ttl 2 s), not the 120 s collective timeout.
         recovery = after[0].time - cut_at
         record_property("recovery_s", round(recovery, 2))
-        assert recovery < 15, recovery
+        assert recovery < 25, recovery
     finally:
         for agent in agents:
             for pid in [agent.proc.pid, *agent.descendants()]:
