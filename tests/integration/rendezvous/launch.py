@@ -60,6 +60,15 @@ class Agent:
         _reap(pids[1:])
         return killed_at
 
+    def kill_agent_only(self) -> tuple[float, list[int]]:
+        """SIGKILL only the agent; its workers (own session) live on. Return the kill time and their PIDs."""
+        workers = self.descendants()
+        killed_at = time.time()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.extra_pids.extend(workers)
+        return killed_at, workers
+
     def stop(self, timeout: float = 20) -> None:
         """SIGTERM the agent (it stops its workers), then SIGKILL whatever is left, by PID."""
         pids = self.descendants()
@@ -70,7 +79,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        _reap(pids)
+        _reap([*pids, *self.extra_pids])
 
     def output(self) -> str:
         """The agent's stdout+stderr so far."""

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elastictrain.rendezvous.embedded import free_port
@@ -22,6 +23,13 @@ def agents() -> Iterator[list[Agent]]:
     yield started
     for agent in started:
         agent.stop()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _since(t: float):
@@ -40,7 +48,7 @@ def test_two_agents_with_two_workers_each_form_one_group(etcd: EtcdHandle, run_i
     assert max(s.step for s in steps) == 15
 
 
-def test_job_survives_sigkill_of_the_first_agent_and_scales_back_up(etcd: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
+def test_job_survives_sigkill_of_the_first_agent_scales_back_up_and_drops_a_lone_agent(etcd: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
     args = etcd3_args(etcd.endpoint, run_id)
     agents += [start_agent(t, tmp_path, args, nnodes="1:3") for t in ("a", "b", "c")]
     wait_for(tmp_path, lambda s: sum(x.world == 3 for x in s) >= 9, 90, agents)
@@ -64,6 +72,18 @@ def test_job_survives_sigkill_of_the_first_agent_and_scales_back_up(etcd: EtcdHa
     assert {s.tag for s in steps if s.time > rejoin_at and s.world == 3} == {"a", "b", "c"}
     # The step counter carried on: the group never went back to the beginning.
     assert min(s.step for s in steps if s.time > killed_at) > 1
+
+    # Now kill an agent but not its workers (torchrun puts them in their own session): its lease
+    # expires, the others re-form without it, and the orphaned workers fail out of the old group.
+    lonely = next(a for a in agents if a.tag != first_tag)
+    killed_at, orphans = lonely.kill_agent_only()
+    agents.remove(lonely)
+    wait_for(tmp_path, lambda s: sum(x.world == 2 for x in _since(killed_at)(s)) >= 4, 60, agents)
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in orphans):
+        assert time.monotonic() < deadline, "orphaned workers still running"
+        time.sleep(0.2)
+    lonely.stop()
 
 
 def test_etcd_outage_of_a_few_seconds_does_not_restart_training(etcd_private: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
