@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from contextlib import ExitStack
 from typing import Any, Optional, Sequence
 
@@ -22,7 +23,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.launch import get_args_parser, launch, parse_args
-from elastictrain.agent.status import EtcdStatusPublisher
+from elastictrain.agent.control import ControlRelay
+from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
@@ -65,10 +67,19 @@ def torchrun_argv(cfg: JobConfig, config_path: str, overrides: Sequence[str], us
     return argv
 
 
+def _checkpoint_url(url: Optional[str]) -> Optional[str]:
+    """An absolute URL: a relative path means the agent's working directory, which operators' CLIs do not share."""
+    if not url or "://" in url:
+        return url
+    return os.path.abspath(url)
+
+
 def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]) -> int:
     """Run this node's agent until the job ends; returns the process exit code."""
     cfg = load_config(config_path, list(overrides))  # fail fast, before anything starts
-    bad = [a for a in user_argv if not a.startswith("-")]
+    # A probe script name: any other positional argument (not a flag's value) lands before it.
+    probe = get_args_parser().parse_known_args([*user_argv, "__config__"])[0]
+    bad = probe.training_script != "__config__" or probe.training_script_args
     if bad or _flag_given(user_argv, "-m", "--module", "--no-python", "--standalone"):
         raise ConfigError(f"elastictrain run takes torchrun flags but no script or --standalone (got "
                           f"{' '.join(user_argv)}); the config names what to train")
@@ -89,8 +100,18 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
         client.connect()
         stack.callback(client.close)
         budget = RestartBudget(client, settings.run_prefix, request.config.max_restarts)
+        ckpt_url = _checkpoint_url(cfg.checkpoint.url)
+        publish_job(client, settings.run_prefix, JobRecord(
+            run_id=run_id, config=os.path.abspath(config_path), checkpoint_url=ckpt_url, fingerprint=cfg.fingerprint(),
+            max_restarts=request.config.max_restarts, min_nodes=request.config.min_nodes,
+            max_nodes=request.config.max_nodes, nproc_per_node=request.config.nproc_per_node, steps=cfg.train.steps,
+            started=time.time()))
         publisher: Optional[EtcdStatusPublisher] = None
         agent_ref: dict[str, Any] = {}
+        relay = ControlRelay(client, settings.run_prefix, lambda: publisher.node if publisher else None,
+                             lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
+        stack.callback(relay.close)
+        os.environ.update(relay.env())  # the workers inherit the agent's environment
 
         def on_agent(agent: ElasticAgent) -> None:
             nonlocal publisher
@@ -101,6 +122,13 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
             agent.add_listener(publisher)
             publisher.attach(agent)
             stack.callback(publisher.close)
+            relay.attach(agent)
+            if request.metrics_port:
+                from elastictrain.agent.metrics import AgentCollector, MetricsServer
+
+                metrics = MetricsServer(AgentCollector(publisher.snapshot, ckpt_url), request.metrics_port,
+                                        request.metrics_addr)
+                stack.callback(metrics.close)
 
         listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
         try:

@@ -44,6 +44,8 @@ class LaunchRequest:
     args: list[str]
     health: HealthConfig
     event_log: str | None = None
+    metrics_port: int = 0
+    metrics_addr: str = "0.0.0.0"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -71,6 +73,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="allowance for the done phase: final save, summary, teardown (default %(default)s)")
     g.add_argument("--event-log", default=None,
                    help="append agent events (join, restart, failure, hang, ...) as JSON lines to this file")
+    m = parser.add_argument_group("elastictrain metrics")
+    m.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics of this agent on this port (0: off, the default)")
+    m.add_argument("--metrics-addr", default="0.0.0.0",
+                   help="address the metrics endpoint binds to (default %(default)s)")
     return parser
 
 
@@ -102,7 +109,7 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
         args.master_port = 29500
     config, entrypoint, cmd_args = config_from_args(args)
     return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health_from_args(args),
-                         event_log=args.event_log)
+                         event_log=args.event_log, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
 
 
 def launch(

@@ -4,6 +4,8 @@ Keys, all under the run's prefix (`/elastictrain/<run_id>`):
 
     status/nodes/<node>     NodeStatus (JSON), rewritten every `interval_s` by that node's agent. Not bound to a
                             lease: a lost node's record stays, and readers judge it by its age (`updated`).
+    status/job              JobRecord (JSON): what every agent knows about the job at start (checkpoint URL,
+                            config fingerprint, budget); read by `elastictrain status` and the dashboard.
     events/<t_ns>-<node>    one Event (JSON) per agent event, append-only; keys sort by time.
     restarts/<round>        RestartRecord: the job-wide restart budget (see `budget.py`).
 
@@ -18,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
@@ -33,7 +35,7 @@ DEFAULT_STATUS_INTERVAL_S = 2.0
 
 # event kind -> the node state it leaves behind
 _STATE_AFTER = {"join": "running", "failure": "recovering", "hang": "recovering", "restart": "rendezvous",
-                "succeeded": "succeeded", "leave": "left", "drain": "draining", "budget_exhausted": "failed",
+                "succeeded": "succeeded", "leave": "left", "drain": "left", "budget_exhausted": "failed",
                 "crash_loop": "failed"}
 
 
@@ -61,12 +63,40 @@ class NodeStatus:
     max_restarts: int = 0
     last_event: str = ""
     updated: float = 0.0
+    state_since: float = 0.0
+    """Unix time at which `state` was entered."""
 
     @classmethod
     def from_json(cls, data: bytes) -> "NodeStatus":
-        raw = json.loads(data)
-        raw["workers"] = [WorkerStatus(**w) for w in raw.get("workers", [])]
+        raw = _known(cls, json.loads(data))
+        raw["workers"] = [WorkerStatus(**_known(WorkerStatus, w)) for w in raw.get("workers", [])]
         return cls(**raw)
+
+
+@dataclass
+class JobRecord:
+    """Job-wide facts written by every agent at start (identical on all nodes; the last write wins)."""
+
+    run_id: str
+    config: str
+    checkpoint_url: Optional[str]
+    fingerprint: dict[str, str]
+    max_restarts: int
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    steps: int
+    started: float
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "JobRecord":
+        return cls(**_known(cls, json.loads(data)))
+
+
+def _known(cls: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """Only the fields `cls` knows: a record written by a newer agent still reads."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 @dataclass
@@ -91,7 +121,7 @@ class EtcdStatusPublisher:
         self.interval_s = interval_s
         self.budget = budget
         self.status = NodeStatus(node=node, host=socket.gethostname(), agent_pid=os.getpid(), state="starting",
-                                 max_restarts=max_restarts)
+                                 max_restarts=max_restarts, state_since=time.time())
         self._agent: Optional["ElasticAgent"] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,7 +146,12 @@ class EtcdStatusPublisher:
         except Exception as e:  # etcd down: the event is lost, training goes on
             log.warning("could not record %s event in etcd: %s", kind, e)
         with self._lock:
-            self.status.state = _STATE_AFTER.get(kind, self.status.state)
+            state = _STATE_AFTER.get(kind, self.status.state)
+            if kind == "leave" and self.status.state in ("succeeded", "failed"):
+                state = self.status.state  # how it ended matters more than that it left
+            if state != self.status.state:
+                self.status.state_since = now
+            self.status.state = state
             self.status.last_event = kind
             if "group_rank" in fields:
                 self.status.group_rank = fields["group_rank"]
@@ -145,6 +180,11 @@ class EtcdStatusPublisher:
         except Exception as e:
             log.debug("status publish failed: %s", e)
 
+    def snapshot(self) -> NodeStatus:
+        """A copy of the last published status (for the metrics endpoint)."""
+        with self._lock:
+            return NodeStatus.from_json(json.dumps(asdict(self.status), default=str).encode())
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.publish()
@@ -165,3 +205,20 @@ def read_events(client: EtcdClient, run_prefix: str, since: float = 0.0) -> list
     raw = client.get_prefix(f"{run_prefix.rstrip('/')}/events/")
     out = [Event(**json.loads(v)) for _, v in sorted(raw.items())]
     return [e for e in out if e.time >= since]
+
+
+def job_key(run_prefix: str) -> str:
+    return f"{run_prefix.rstrip('/')}/status/job"
+
+
+def publish_job(client: EtcdClient, run_prefix: str, record: JobRecord) -> None:
+    """Write the job record; an etcd error is logged, never raised (status is best effort)."""
+    try:
+        client.put(job_key(run_prefix), json.dumps(asdict(record)).encode())
+    except Exception as e:
+        log.warning("could not publish the job record to etcd: %s", e)
+
+
+def read_job(client: EtcdClient, run_prefix: str) -> Optional[JobRecord]:
+    got = client.get(job_key(run_prefix))
+    return None if got is None else JobRecord.from_json(got[0])

@@ -388,11 +388,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "client_kwargs.region_name=... (repeatable; AWS_* environment variables fill the rest)")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add `ckpt ls|verify|prune|export` to the `elastictrain` parser."""
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Add `ckpt ls|verify|prune|export` to the `elastictrain` parser; returns ckpt's subparsers (for `now`)."""
     p = sub.add_parser("ckpt", help="list, verify, prune and export checkpoints",
                        description="Operate on the checkpoints under a checkpoint root (the job's checkpoint.url).")
-    csub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{ls,verify,prune,export}")
+    csub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{ls,verify,prune,export,now}")
 
     ls = csub.add_parser("ls", help="list checkpoints, newest first (one listing, no checksum reads)",
                          description="One listing plus the small marker and manifest of each committed checkpoint: "
@@ -431,3 +431,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="cast floating-point weights (default: as saved)")
     ex.add_argument("--no-verify", action="store_true", help="skip the checksum verification before export")
     ex.set_defaults(func=_cmd_export)
+    return csub

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-from elastictrain.cli import ckpt
+from elastictrain.cli import ckpt, control, dashboard, events, status
 from elastictrain.errors import ElastictrainError
 
 
@@ -20,7 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastictrain", description="Elastic, fault-tolerant PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
     _add_run(sub)
-    ckpt.register(sub)
+    status.register(sub)
+    events.register(sub)
+    control.register(sub)
+    control.register_ckpt_now(ckpt.register(sub))
+    dashboard.register(sub)
     return p
 
 

@@ -48,6 +48,12 @@ class RecipeCheckpointer:
         elif self.mgr.should_save(step):
             self._save(trainer, blocking=False)
 
+    def save_now(self, trainer: "Trainer") -> None:
+        """An operator's "checkpoint now": a blocking save at this step (unless this step is already saved)."""
+        if self._last_saved != trainer.step:
+            log.info("saving step %d on operator request", trainer.step)
+            self._save(trainer, blocking=True)
+
     def _save(self, trainer: "Trainer", blocking: bool) -> None:
         # The agent allows the save phase more time than a step before it calls a worker hung.
         trainer.heartbeat.beat(trainer.step, "save")

@@ -25,11 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from elastictrain.chaos.inject import maybe_inject
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import CheckpointError, ElastictrainError
 from elastictrain.logs import setup_logging
 from elastictrain.recipes.model import build_model, build_optimizer, shard_model
 from elastictrain.runtime.audit import SampleLedger
+from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 from elastictrain.runtime.data import build_source
 from elastictrain.runtime.exitcodes import EXIT_CONFIG, EXIT_REFORM
@@ -73,6 +75,10 @@ def param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+_PAUSE_POLL_S = 0.5
+"""While paused, ranks agree on resume/stop this often."""
+
+
 class _StopFlag:
     """Set by SIGTERM/SIGINT; acted on at the next step boundary, agreed by all ranks."""
 
@@ -89,9 +95,10 @@ class _StopFlag:
 
 class Trainer:
     def __init__(self, cfg: JobConfig, session: Session, checkpointer: Any = None,
-                 heartbeat: Optional[Heartbeat] = None):
+                 heartbeat: Optional[Heartbeat] = None, control: Optional[WorkerControl] = None):
         self.cfg, self.session, self.checkpointer = cfg, session, checkpointer
         self.heartbeat = heartbeat or Heartbeat(None)
+        self.control = control or WorkerControl(None)
         t, d = cfg.train, cfg.data
         configure_determinism(t.deterministic)
         seed_everything(derive_seed(t.seed, "rank", session.rank))
@@ -157,9 +164,10 @@ class Trainer:
     # --- the step --------------------------------------------------------------------------------------
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step over this rank's share of the global batch; returns [loss_sum, stop] reduced."""
+        """One optimizer step over this rank's share of the global batch; returns [loss, stop, ckpt, pause] summed."""
         W, rank, dev = self.session.world_size, self.session.rank, self.session.device
         d = self.cfg.data
+        maybe_inject(self.step, rank)
         plan = self.cursor.plan(self.step, rank, W)
         # Sum of token losses over the global batch / its token count; FSDP averages gradients over W ranks.
         scale = W / (d.global_batch_size * d.seq_len)
@@ -187,10 +195,34 @@ class Trainer:
             self.ledger.record(self.step, W, self.launch_seq, plan.samples)
         self.cursor.advance()
         self.step += 1
-        # One small collective per step: the global loss and whether any rank was asked to stop.
-        red = torch.stack([loss_sum, torch.tensor(float(self.stop.requested), device=dev)])
+        # One small collective per step: the global loss, whether any rank was asked to stop, whether rank 0
+        # relays a "checkpoint now" and whether any rank was asked to pause (see runtime/control.py).
+        self.control.poll()
+        flags = [self.stop.requested, rank == 0 and self.control.ckpt_requested, self.control.paused]
+        red = torch.cat([loss_sum.reshape(1), torch.tensor([float(f) for f in flags], device=dev)])
         dist.all_reduce(red)
         return red
+
+    def pause(self) -> bool:
+        """Wait at this step boundary until no rank is asked to pause; True when a stop was agreed meanwhile.
+
+        Every rank loops in lockstep on a two-element all_reduce, so all leave at the same iteration.
+        """
+        if self.session.is_main:
+            log.warning("paused at step %d by operator request", self.step)
+        dev = self.session.device
+        while True:
+            self.heartbeat.beat(self.step, "paused")
+            time.sleep(_PAUSE_POLL_S)
+            self.control.poll()
+            red = torch.tensor([float(self.control.paused), float(self.stop.requested)], device=dev)
+            dist.all_reduce(red)
+            paused, stop = red.tolist()
+            if stop or not paused:
+                if self.session.is_main:
+                    log.warning("%s at step %d", "stop requested while paused" if stop else "resumed", self.step)
+                self.heartbeat.beat(self.step, "train")
+                return bool(stop)
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -213,10 +245,13 @@ class Trainer:
         t0 = time.monotonic()
         stopped_early = stopped_by_peer = False
         end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        if self.step >= end and s.is_main:
+            log.warning("already at step %d of %d (resumed from %s): nothing to train; to start over, use "
+                        "--set checkpoint.resume=never or another checkpoint.url", self.step, end, resumed_from)
         while self.step < end:
             ts = time.monotonic()
             red = self.train_step()
-            loss_sum, stop = red.tolist()
+            loss_sum, stop, ckpt_now, pause = red.tolist()
             step_times.append(time.monotonic() - ts)
             self.heartbeat.beat(self.step, "train")
             loss = loss_sum / tokens_per_step
@@ -231,6 +266,14 @@ class Trainer:
                          self.scheduler.get_last_lr()[0], st, tokens_per_step / st)
             if self.checkpointer is not None:
                 self.checkpointer.after_step(self, final=self.step == end, stopping=bool(stop))
+                if ckpt_now and not stop:
+                    self.checkpointer.save_now(self)
+            if ckpt_now:
+                self.control.ckpt_handled()
+            if pause and not stop and self.step < end:
+                stop = self.pause()
+                if stop and self.checkpointer is not None:
+                    self.checkpointer.after_step(self, final=False, stopping=True)
             if stop:
                 stopped_early = True
                 stopped_by_peer = not self.stop.requested
@@ -279,11 +322,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stderr.write(f"elastictrain: error: {e}\n")
         return EXIT_CONFIG
     setup_logging(cfg.logging.level, cfg.logging.json)
-    heartbeat = Heartbeat.from_env()  # first: ties this worker's life to its agent's
+    control = WorkerControl.from_env()  # before the first heartbeat: the agent rings only workers that beat
+    heartbeat = Heartbeat.from_env()  # ties this worker's life to its agent's
     session = Session(cfg.train).start()
     try:
         from elastictrain.recipes.checkpointing import make_checkpointer
-        trainer = Trainer(cfg, session, heartbeat=heartbeat)
+        trainer = Trainer(cfg, session, heartbeat=heartbeat, control=control)
         trainer.checkpointer = make_checkpointer(cfg, trainer, session)
         summary = trainer.run()
         if session.is_main:

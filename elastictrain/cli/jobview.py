@@ -1,0 +1,195 @@
+"""One snapshot of a job as operators see it: read from etcd (and checkpoint storage), judged by pure rules.
+
+`derive()` holds every rule (job state, node staleness, health) and takes plain records, so it is tested
+without services; `collect()` does the reading. Used by `elastictrain status` and the dashboard.
+
+Job states: starting, running, pausing, paused, recovering, finished, stopped (every node left, e.g. drained),
+failed. Unhealthy (a probe's non-zero exit): failed; recovering for longer than `max_recovering_s`; a node whose
+status went stale (`stale_after_s`) while the job has not re-formed without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from elastictrain.agent.status import Event, JobRecord, NodeStatus, read_events, read_job, read_nodes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STALE_AFTER_S = 10.0
+"""A node's status older than this (agents rewrite it every 2 s) means its agent is gone or cut off."""
+DEFAULT_MAX_RECOVERING_S = 120.0
+"""Recovering for longer than this makes the job unhealthy."""
+
+_TERMINAL = {"succeeded", "left", "failed"}
+_TRANSIENT = {"starting", "rendezvous", "recovering", "draining"}
+
+
+@dataclass
+class Member:
+    node: str
+    host: str
+    state: str
+    group_rank: Optional[int]
+    workers: int
+    phases: list[str]
+    heartbeat_age_s: Optional[float]
+    """Oldest worker heartbeat, as of now."""
+    step: Optional[int]
+    step_time_s: Optional[float]
+    updated_age_s: float
+    state_since: float
+    last_event: str
+
+
+@dataclass
+class Rendezvous:
+    round: int
+    complete: bool
+    closed: bool
+    participants: int
+    waiting: int
+
+
+@dataclass
+class CheckpointView:
+    step: int
+    age_s: float
+    url: str
+
+
+@dataclass
+class JobView:
+    run_id: str
+    state: str
+    healthy: bool
+    problems: list[str]
+    since: Optional[float]
+    step: Optional[int]
+    members: list[Member]
+    restarts_used: int
+    max_restarts: int
+    pause_requested: bool
+    rendezvous: Optional[Rendezvous] = None
+    checkpoint: Optional[CheckpointView] = None
+    checkpoint_url: Optional[str] = None
+    checkpoint_checked: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+    time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: float) -> Member:
+    age = max(0.0, now - n.updated)
+    beats = [w.heartbeat_age_s for w in n.workers if w.heartbeat_age_s is not None]
+    phases = [w.phase or "-" for w in n.workers]
+    state = n.state
+    if state not in _TERMINAL and age > stale_after_s:
+        # Superseded: the others re-formed the group after this node went silent; it is history, not a fault.
+        state = "gone" if superseded_at > n.updated else "lost"
+    elif state == "running" and phases and all(p == "paused" for p in phases):
+        state = "paused"
+    return Member(node=n.node, host=n.host, state=state, group_rank=n.group_rank, workers=len(n.workers),
+                  phases=phases, heartbeat_age_s=round(max(beats) + age, 1) if beats else None, step=n.step,
+                  step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
+                  last_event=n.last_event)
+
+
+def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,
+           pause_since: Optional[float] = None,
+           stale_after_s: float = DEFAULT_STALE_AFTER_S,
+           max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
+    """Judge a job from its node records (pure: no I/O)."""
+    fresh = [n for n in nodes if now - n.updated <= stale_after_s]
+    superseded_at = max((n.state_since for n in fresh if n.state == "running"), default=0.0)
+    members = [_member(n, now, stale_after_s, superseded_at) for n in nodes]
+    live = [m for m in members if m.state not in _TERMINAL | {"gone", "lost"}]
+    problems: list[str] = []
+    since: Optional[float] = None
+    failed = [m for m in members if m.state == "failed"]
+    lost = [m for m in members if m.state == "lost"]
+    if failed:
+        state = "failed"
+        problems += [f"node {m.node} failed ({m.last_event})" for m in failed]
+        since = max(m.state_since for m in failed)
+    elif not live:
+        if any(m.state == "succeeded" for m in members):
+            state = "finished"
+        elif members and all(m.state == "left" for m in members):
+            state = "stopped"
+        else:
+            state = "failed"
+            problems.append("no agent of this job reports any more" if members else "no agent has reported yet")
+        since = max((m.state_since for m in members), default=None)
+    elif all(m.state == "starting" for m in live):
+        state, since = "starting", min(m.state_since for m in live)
+    elif any(m.state in _TRANSIENT for m in live):
+        state = "recovering"
+        since = min(m.state_since for m in live if m.state in _TRANSIENT)
+        if now - since > max_recovering_s:
+            problems.append(f"recovering for {now - since:.0f} s (more than {max_recovering_s:g} s)")
+    elif pause_requested:
+        state = "paused" if all(m.state == "paused" for m in live) else "pausing"
+        since = pause_since or max(m.state_since for m in live)
+    else:
+        state, since = "running", max(m.state_since for m in live)
+    problems += [f"node {m.node} ({m.host}) has not reported for {m.updated_age_s:.0f} s" for m in lost]
+    restarts_used = max((n.restarts_used for n in nodes), default=0)
+    max_restarts = max((n.max_restarts for n in nodes), default=0)
+    steps = [m.step for m in live if m.step is not None] or [m.step for m in members if m.step is not None]
+    return JobView(run_id=run_id, state=state, healthy=not problems, problems=problems, since=since,
+                   step=max(steps) if steps else None, members=members, restarts_used=restarts_used,
+                   max_restarts=max_restarts, pause_requested=pause_requested, time=now)
+
+
+def event_dict(e: Event) -> dict[str, Any]:
+    return {"time": e.time, "node": e.node, "kind": e.kind, "fields": e.fields}
+
+
+def read_rendezvous(client: Any, run_prefix: str) -> Optional[Rendezvous]:
+    """The rendezvous round from torch's state (a pickle in `<run>/rdzv`), or None when absent or unreadable."""
+    got = client.get(f"{run_prefix}/rdzv")
+    if got is None:
+        return None
+    try:
+        st = pickle.loads(got[0])  # written by this job's agents, through torch's own state holder
+        return Rendezvous(round=int(st.round), complete=bool(st.complete), closed=bool(st.closed),
+                          participants=len(st.participants), waiting=len(st.wait_list))
+    except Exception as e:  # another torch version's layout: the round is a nicety
+        log.debug("rendezvous state unreadable: %s", e)
+        return None
+
+
+def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
+            stale_after_s: float = DEFAULT_STALE_AFTER_S,
+            max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
+    """Read everything `status` shows and judge it."""
+    from elastictrain.agent.control import ControlRequest, pause_key
+    from elastictrain.agent.metrics import latest_checkpoint
+
+    client, prefix = target.client, target.prefix
+    nodes = read_nodes(client, prefix)
+    pause = client.get(pause_key(prefix))
+    view = derive(target.settings.run_id, nodes, time.time(), pause_requested=pause is not None,
+                  pause_since=ControlRequest.from_json(pause[0]).time if pause else None,
+                  stale_after_s=stale_after_s, max_recovering_s=max_recovering_s)
+    view.rendezvous = read_rendezvous(client, prefix)
+    job: Optional[JobRecord] = read_job(client, prefix)
+    if job is not None:
+        view.checkpoint_url = job.checkpoint_url
+        view.max_restarts = max(view.max_restarts, job.max_restarts)
+        view.checkpoint_checked = checkpoint
+        if checkpoint and job.checkpoint_url:
+            found = latest_checkpoint(job.checkpoint_url)
+            if found is not None:
+                view.checkpoint = CheckpointView(step=found[0], age_s=round(time.time() - found[1], 1),
+                                                 url=found[2])
+    if events:
+        view.events = [event_dict(e) for e in read_events(client, prefix)[-events:]]
+    return view

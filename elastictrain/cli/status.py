@@ -1,0 +1,135 @@
+"""`elastictrain status`: the job's state, members, restarts, last checkpoint and recent events.
+
+Exit codes (usable as a liveness probe): 0 healthy; 1 unhealthy (failed, recovering for longer than
+--max-recovering, a node that stopped reporting while the job did not re-form without it); 2 error (no such
+run, etcd unreachable or refusing us; one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime
+from typing import Any, Optional, TextIO
+
+from elastictrain.cli import target as tgt
+from elastictrain.cli.jobview import DEFAULT_MAX_RECOVERING_S, DEFAULT_STALE_AFTER_S, JobView, collect
+
+EXIT_UNHEALTHY = 1
+
+_HIDDEN_FIELDS = {"time", "node", "agent_pid", "run_id", "pids", "global_ranks", "failures", "workers"}
+
+
+def _ago(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def format_event(e: dict[str, Any]) -> str:
+    fields = " ".join(f"{k}={_short(v)}" for k, v in e["fields"].items() if k not in _HIDDEN_FIELDS)
+    return f"{_clock(e['time'])}  {e['node']}  {e['kind']}  {fields}".rstrip()
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, default=str)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def render(view: JobView) -> str:
+    """The human-readable status page."""
+    now = view.time
+    out = []
+    health = "healthy" if view.healthy else "UNHEALTHY"
+    since = f" since {_clock(view.since)} ({_ago(now - view.since)} ago)" if view.since else ""
+    step = f", step {view.step}" if view.step is not None else ""
+    out.append(f"run {view.run_id}: {view.state.upper()} ({health}){since}{step}")
+    for p in view.problems:
+        out.append(f"  problem: {p}")
+    if view.pause_requested and view.state not in ("paused", "pausing"):
+        out.append("  note: a pause is requested (elastictrain resume lifts it)")
+    r = view.rendezvous
+    if r is not None:
+        out.append(f"rendezvous: round {r.round}, {'complete' if r.complete else 'forming'}"
+                   f"{', closed' if r.closed else ''}, {r.participants} participant(s), {r.waiting} waiting")
+    out.append(f"restarts:   {view.restarts_used} of {view.max_restarts} used")
+    c = view.checkpoint
+    if c is not None:
+        out.append(f"checkpoint: step {c.step}, {_ago(c.age_s)} ago, {c.url}")
+    elif not view.checkpoint_url:
+        out.append("checkpoint: not configured (checkpoint.url)" if view.checkpoint_checked else "checkpoint: -")
+    elif view.checkpoint_checked:
+        out.append(f"checkpoint: none valid yet under {view.checkpoint_url}")
+    else:
+        out.append(f"checkpoint: not checked ({view.checkpoint_url})")
+    out.append("")
+    rows = [[m.node, m.host, "-" if m.group_rank is None else str(m.group_rank), m.state,
+             f"{m.workers} ({','.join(sorted(set(m.phases))) or '-'})", _ago(m.heartbeat_age_s),
+             "-" if m.step is None else str(m.step),
+             "-" if m.step_time_s is None else f"{m.step_time_s:.3f}s", _ago(m.updated_age_s)]
+            for m in view.members]
+    out.append(table(rows, ["NODE", "HOST", "RANK", "STATE", "WORKERS", "HEARTBEAT", "STEP", "STEP TIME",
+                            "UPDATED"]))
+    if view.events:
+        out.append("")
+        out.append("recent events:")
+        out += [f"  {format_event(e)}" for e in view.events]
+    return "\n".join(out)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    target = tgt.connect(args)
+    try:
+        while True:
+            view = collect(target, events=args.events, checkpoint=not args.no_checkpoint,
+                           stale_after_s=args.stale_after, max_recovering_s=args.max_recovering)
+            _print(view, args.json, sys.stdout, clear=args.watch and not args.json)
+            if not args.watch:
+                return 0 if view.healthy else EXIT_UNHEALTHY
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        target.close()
+
+
+def _print(view: JobView, as_json: bool, out: TextIO, clear: bool) -> None:
+    if as_json:
+        out.write(json.dumps(view.to_dict(), default=str) + "\n")
+    else:
+        if clear and out.isatty():
+            out.write("\x1b[H\x1b[2J")
+        out.write(render(view) + "\n")
+    out.flush()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="the job's state, members, restarts, last checkpoint, recent events",
+                       description=__doc__.split("\n\n")[0] + " Exit 0 healthy, 1 unhealthy, 2 error.")
+    tgt.add_target_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object (per refresh with --watch)")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default %(default)s)")
+    p.add_argument("--events", type=int, default=8, metavar="N", help="recent events shown (default %(default)s)")
+    p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint storage listing")
+    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_AFTER_S, metavar="S",
+                   help="a node not reporting for S seconds is lost (default %(default)s)")
+    p.add_argument("--max-recovering", type=float, default=DEFAULT_MAX_RECOVERING_S, metavar="S",
+                   help="recovering for longer than S seconds is unhealthy (default %(default)s)")
+    p.set_defaults(func=_cmd_status)

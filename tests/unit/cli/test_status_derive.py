@@ -1,0 +1,69 @@
+"""Job state and health from hand-made NodeStatus records (elastictrain/cli/jobview.py::derive)."""
+
+from elastictrain.agent.status import NodeStatus, WorkerStatus
+from elastictrain.cli.jobview import derive
+
+NOW = 1_000_000.0
+
+
+def node(name: str, state: str = "running", *, age: float = 1.0, since: float = NOW - 60, step: int = 100,
+         phase: str = "train", restarts: int = 0) -> NodeStatus:
+    return NodeStatus(node=name, host=f"host-{name}", agent_pid=1, state=state, group_rank=0, world_size=2,
+                      workers=[WorkerStatus(local_rank=0, pid=10, step=step, phase=phase, heartbeat_age_s=0.5)],
+                      step=step, step_time_s=0.2, restarts_used=restarts, max_restarts=3, last_event="join",
+                      updated=NOW - age, state_since=since)
+
+
+def test_fresh_running_nodes_make_a_healthy_running_job_at_the_newest_step():
+    v = derive("r", [node("a", step=100), node("b", step=99)], NOW)
+    assert (v.state, v.healthy, v.step) == ("running", True, 100)
+    assert [m.state for m in v.members] == ["running", "running"]
+    assert v.members[0].heartbeat_age_s == 1.5  # the worker's age when published + the record's age
+
+
+def test_a_recovering_node_makes_the_job_recovering_and_unhealthy_only_after_the_limit():
+    short = derive("r", [node("a"), node("b", "recovering", since=NOW - 5)], NOW, max_recovering_s=60)
+    assert (short.state, short.healthy, short.since) == ("recovering", True, NOW - 5)
+    long = derive("r", [node("a"), node("b", "rendezvous", since=NOW - 90)], NOW, max_recovering_s=60)
+    assert (long.state, long.healthy) == ("recovering", False)
+    assert "recovering for 90 s" in long.problems[0]
+
+
+def test_a_silent_node_is_lost_and_unhealthy_until_the_others_reform_without_it():
+    lost = derive("r", [node("a", since=NOW - 60), node("b", age=30)], NOW, stale_after_s=10)
+    assert [m.state for m in lost.members] == ["running", "lost"]
+    assert not lost.healthy and "node b (host-b) has not reported for 30 s" in lost.problems[0]
+    # a joined again after b went silent: b is history
+    gone = derive("r", [node("a", since=NOW - 5), node("b", age=30)], NOW, stale_after_s=10)
+    assert [m.state for m in gone.members] == ["running", "gone"]
+    assert gone.healthy and gone.state == "running"
+
+
+def test_failed_budget_makes_the_job_failed():
+    v = derive("r", [node("a", "failed"), node("b", "left", age=50)], NOW)
+    assert (v.state, v.healthy) == ("failed", False)
+
+
+def test_succeeded_nodes_make_a_finished_job_even_when_their_records_are_old():
+    v = derive("r", [node("a", "succeeded", age=500), node("b", "succeeded", age=500)], NOW)
+    assert (v.state, v.healthy) == ("finished", True)
+
+
+def test_every_node_left_is_a_stopped_job_and_no_report_at_all_is_failed():
+    assert derive("r", [node("a", "left", age=99)], NOW).state == "stopped"
+    v = derive("r", [node("a", age=99), node("b", age=99)], NOW)
+    assert (v.state, v.healthy) == ("failed", False)
+    assert derive("r", [], NOW).state == "failed"
+
+
+def test_pause_is_paused_once_every_worker_waits_and_pausing_before():
+    both = derive("r", [node("a", phase="paused"), node("b", phase="paused")], NOW, pause_requested=True,
+                  pause_since=NOW - 3)
+    assert (both.state, both.since, both.healthy) == ("paused", NOW - 3, True)
+    assert [m.state for m in both.members] == ["paused", "paused"]
+    assert derive("r", [node("a", phase="paused"), node("b")], NOW, pause_requested=True).state == "pausing"
+
+
+def test_a_fresh_job_is_starting_and_restarts_come_from_the_records():
+    v = derive("r", [node("a", "starting", restarts=2), node("b", "starting", restarts=1)], NOW)
+    assert (v.state, v.restarts_used, v.max_restarts) == ("starting", 2, 3)

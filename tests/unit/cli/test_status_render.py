@@ -1,0 +1,62 @@
+"""Rendering of `elastictrain status` / `events` from hand-made records, and --since parsing."""
+
+import json
+
+import pytest
+
+from elastictrain.cli.events import parse_since
+from elastictrain.cli.jobview import CheckpointView, Rendezvous, derive
+from elastictrain.cli.status import format_event, render, table
+from elastictrain.errors import ConfigError
+from tests.unit.cli.test_status_derive import NOW, node
+
+
+def _view():
+    v = derive("demo", [node("a", step=120), node("b", "recovering", since=NOW - 4, step=118)], NOW)
+    v.rendezvous = Rendezvous(round=3, complete=True, closed=False, participants=2, waiting=0)
+    v.checkpoint = CheckpointView(step=110, age_s=42.0, url="s3://bucket/run/step-00000110")
+    v.checkpoint_url, v.checkpoint_checked = "s3://bucket/run", True
+    v.events = [{"time": NOW - 4, "node": "b", "kind": "failure",
+                 "fields": {"cause": "rank 1: Signal 9 (SIGKILL)", "pids": {"0": 5}, "time": 1}}]
+    return v
+
+
+def test_table_shows_state_round_budget_checkpoint_members_and_events():
+    text = render(_view())
+    lines = text.splitlines()
+    assert lines[0].startswith("run demo: RECOVERING (healthy) since ")
+    assert "rendezvous: round 3, complete, 2 participant(s), 0 waiting" in text
+    assert "restarts:   0 of 3 used" in text
+    assert "checkpoint: step 110, 42s ago, s3://bucket/run/step-00000110" in text
+    header = next(line for line in lines if line.startswith("NODE"))
+    assert header.split() == ["NODE", "HOST", "RANK", "STATE", "WORKERS", "HEARTBEAT", "STEP", "STEP", "TIME",
+                              "UPDATED"]
+    row_b = next(line for line in lines if line.startswith("b "))
+    assert row_b.split()[:5] == ["b", "host-b", "0", "recovering", "1"]
+    assert "failure  cause=rank 1: Signal 9 (SIGKILL)" in text and "pids" not in text
+
+
+def test_unhealthy_view_lists_its_problems_and_json_round_trips():
+    v = derive("demo", [node("a", age=50)], NOW)
+    text = render(v)
+    assert "FAILED (UNHEALTHY)" in text and "problem: no agent of this job reports any more" in text
+    assert json.loads(json.dumps(_view().to_dict()))["members"][1]["state"] == "recovering"
+
+
+def test_table_pads_columns():
+    assert table([["a", "1"], ["bbb", "22"]], ["X", "Y"]).splitlines() == ["X    Y", "a    1", "bbb  22"]
+
+
+def test_event_line_hides_bookkeeping_fields_and_shortens_long_values():
+    line = format_event({"time": NOW, "node": "n", "kind": "hang", "fields": {"agent_pid": 3, "cause": "x" * 200}})
+    assert "agent_pid" not in line and line.endswith("...") and len(line) < 120
+
+
+def test_since_takes_durations_unix_and_iso_times():
+    assert parse_since("90s", now=1000.0) == 910.0
+    assert parse_since("2m", now=1000.0) == 880.0
+    assert parse_since("1234.5") == 1234.5
+    assert parse_since("1970-01-01T00:00:10+00:00") == 10.0
+    assert parse_since(None) == 0.0
+    with pytest.raises(ConfigError, match="--since 'yesterday'"):
+        parse_since("yesterday")
