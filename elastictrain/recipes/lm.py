@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from elastictrain.chaos.inject import maybe_inject
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import CheckpointError, ElastictrainError
 from elastictrain.logs import setup_logging
@@ -167,7 +166,6 @@ class Trainer:
         """One optimizer step over this rank's share of the global batch; returns [loss, stop, ckpt, pause] summed."""
         W, rank, dev = self.session.world_size, self.session.rank, self.session.device
         d = self.cfg.data
-        maybe_inject(self.step, rank)
         plan = self.cursor.plan(self.step, rank, W)
         # Sum of token losses over the global batch / its token count; FSDP averages gradients over W ranks.
         scale = W / (d.global_batch_size * d.seq_len)
@@ -245,9 +243,6 @@ class Trainer:
         t0 = time.monotonic()
         stopped_early = stopped_by_peer = False
         end = min(t.steps, t.stop_at) if t.stop_at else t.steps
-        if self.step >= end and s.is_main:
-            log.warning("already at step %d of %d (resumed from %s): nothing to train; to start over, use "
-                        "--set checkpoint.resume=never or another checkpoint.url", self.step, end, resumed_from)
         while self.step < end:
             ts = time.monotonic()
             red = self.train_step()
