@@ -323,10 +323,21 @@ def _rdzv_round(worker_group: WorkerGroup) -> int:
     return int(state.round)
 
 
+_NO_ERROR_FILE = "To enable traceback see:"
+"""How torch's ProcessFailure message starts when a worker exited with a code and left no error file."""
+
+
+def _failure_message(failure: ProcessFailure) -> str:
+    # A bare exit code (os._exit, a crash in native code) otherwise reads as a link to torch's docs.
+    if failure.exitcode > 0 and failure.message.startswith(_NO_ERROR_FILE):
+        return f"exited with code {failure.exitcode} (pid {failure.pid}, no Python traceback recorded)"
+    return failure.message
+
+
 def _failure_fields(global_rank: int, failure: ProcessFailure) -> dict[str, Any]:
     return {"global_rank": global_rank, "local_rank": failure.local_rank, "pid": failure.pid,
             "exitcode": failure.exitcode,
-            "signal": failure.signal_name() if failure.exitcode < 0 else None, "message": failure.message}
+            "signal": failure.signal_name() if failure.exitcode < 0 else None, "message": _failure_message(failure)}
 
 
 _CULPRIT_STATES = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP}

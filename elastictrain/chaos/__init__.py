@@ -1,0 +1,1 @@
+"""Fault injectors for chaos tests and benchmarks: in-worker faults (``inject``) and process faults (``faults``)."""

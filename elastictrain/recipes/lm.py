@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from elastictrain.chaos.inject import maybe_inject
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import CheckpointError, ElastictrainError
 from elastictrain.logs import setup_logging
@@ -166,6 +167,7 @@ class Trainer:
         """One optimizer step over this rank's share of the global batch; returns [loss, stop, ckpt, pause] summed."""
         W, rank, dev = self.session.world_size, self.session.rank, self.session.device
         d = self.cfg.data
+        maybe_inject(self.step, rank)
         plan = self.cursor.plan(self.step, rank, W)
         # Sum of token losses over the global batch / its token count; FSDP averages gradients over W ranks.
         scale = W / (d.global_batch_size * d.seq_len)

@@ -1,0 +1,62 @@
+"""Process-level faults on one machine: find a launcher's workers, kill or stop them, kill or drain a node.
+
+A *node* is a launcher process (``elastictrain run`` or stock ``torchrun``) started in its own session, plus its
+workers. Workers of both launchers lead sessions of their own, so killing a node's process group alone would
+leave them running: ``kill_node`` signals both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional
+
+import psutil
+
+WORKER_MODULE = "elastictrain.recipes.lm"
+
+
+def worker_pids(launcher_pid: int, module: str = WORKER_MODULE) -> dict[int, int]:
+    """Global rank -> pid of the live training workers below a launcher process."""
+    out: dict[int, int] = {}
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in children:
+        try:
+            if module in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out[int(p.environ()["RANK"])] = p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+            continue
+    return out
+
+
+def signal_worker(launcher_pid: int, sig: signal.Signals, rank: Optional[int] = None) -> int:
+    """Send `sig` to one worker of the launcher (rank `rank`, else its lowest rank); returns the worker's pid."""
+    pids = worker_pids(launcher_pid)
+    if not pids:
+        raise LookupError(f"launcher {launcher_pid} has no live workers")
+    pid = pids[rank] if rank is not None else pids[min(pids)]
+    os.kill(pid, sig)
+    return pid
+
+
+def kill_node(launcher_pid: int) -> list[int]:
+    """SIGKILL a whole node: the launcher's process group and every worker below it (power-off-like)."""
+    victims = list(worker_pids(launcher_pid).values())
+    try:
+        os.killpg(os.getpgid(launcher_pid), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    return [launcher_pid, *victims]
+
+
+def drain_node(launcher_pid: int) -> None:
+    """SIGTERM the launcher only (an operator's or scheduler's graceful stop); it tells its workers."""
+    os.kill(launcher_pid, signal.SIGTERM)

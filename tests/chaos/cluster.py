@@ -1,0 +1,153 @@
+"""A multi-node `elastictrain run` job on localhost for chaos tests: agents as subprocesses, one real etcd.
+
+Every node is an `elastictrain run` process in its own session (so a test can kill it with its workers) running
+the recipe on the synthetic source; all nodes share the checkpoint directory and `train.output_dir` (the sample
+ledger is per rank, summary.json is written by rank 0 of the final group).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from elastictrain.chaos.faults import kill_node, worker_pids
+from elastictrain.checkpoint.discovery import list_checkpoints
+from elastictrain.checkpoint.storage import open_storage
+from elastictrain.runtime.audit import read_records
+from elastictrain.runtime.cursor import GlobalOrder
+from tests.integration.recipe_runs import FAST, REPO, worker_env
+
+STEPS = 24
+GLOBAL_BATCH = 8  # FAST's data.global_batch_size
+HANG_FLOOR_S = 3
+
+
+def expected_samples(step: int) -> list[int]:
+    """What an uninterrupted run consumes at `step` (synthetic source, the config's seed)."""
+    order = GlobalOrder(1_000_000, seed=1234)
+    return sorted(order.lookup(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)))
+
+
+class Node:
+    """One `elastictrain run` agent process and its log."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "a")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.started = time.monotonic()
+
+    def workers(self) -> dict[int, int]:
+        return worker_pids(self.pid)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the agent's process group and its workers."""
+        if self.alive():
+            kill_node(self.pid)
+        self.proc.wait(timeout=30)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Job:
+    """The nodes of one run id against one etcd, a shared output and checkpoint directory."""
+
+    def __init__(self, tmp: Path, endpoint: str, run_id: str, *, steps: int = STEPS, max_restarts: int = 10,
+                 extra_overrides: tuple[str, ...] = ()):
+        self.out, self.endpoint, self.run_id = tmp / "out", endpoint, run_id
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ckpt_url = str(self.out / "ckpt")
+        self.overrides = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.ckpt_url}",
+                          "checkpoint.every_steps=4", "checkpoint.keep_last=1000", f"train.steps={steps}",
+                          "train.audit_samples=true", "train.param_digest=true", *extra_overrides]
+        self.max_restarts = max_restarts
+        self.nodes: list[Node] = []
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml")]
+        for o in self.overrides:
+            cmd += ["--set", o]
+        return cmd + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+                      "--rdzv-id", self.run_id, "--max-restarts", str(self.max_restarts),
+                      "--heartbeat-timeout", str(HANG_FLOOR_S)]
+
+    def start_node(self, name: str, env: Optional[dict[str, str]] = None) -> Node:
+        """Start (or re-join: the same command again) one node."""
+        node = Node(name, self.command(), {**worker_env(), **(env or {})}, self.out / f"agent-{name}.log")
+        self.nodes.append(node)
+        return node
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n.name} (pid {n.pid}, rc {n.proc.poll()})\n{n.log()[-6000:]}" for n in self.nodes)
+
+    def records(self) -> list[dict]:
+        d = self.out / "samples"
+        return read_records(d) if d.exists() else []
+
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.records()), default=-1)
+
+    def wait_for_step(self, step: int, timeout: float = 240, world_size: Optional[int] = None,
+                      after_seq: int = -1) -> dict:
+        """Wait until a ledger record of `step` (or later) exists, optionally from a group of `world_size`
+        launched after `after_seq`; returns that record."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for r in self.records():
+                if (r["step"] >= step and r["seq"] > after_seq
+                        and (world_size is None or r["world_size"] == world_size)):
+                    return r
+            assert any(n.alive() for n in self.nodes), f"every node exited before step {step}\n{self.logs()}"
+            assert time.monotonic() < deadline, f"no step {step} within {timeout}s\n{self.logs()}"
+            time.sleep(0.05)
+
+    def wait_workers(self, node: Node, timeout: float = 120) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        while not (pids := node.workers()):
+            assert node.alive() and time.monotonic() < deadline, f"{node.name} has no workers\n{self.logs()}"
+            time.sleep(0.05)
+        return pids
+
+    def wait(self, nodes: list[Node], timeout: float = 300) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for n in nodes:
+            try:
+                codes.append(n.proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{n.name} did not finish within {timeout}s\n{self.logs()}") from None
+        return codes
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def valid_checkpoints(self) -> set[int]:
+        return {c.step for c in list_checkpoints(open_storage(self.ckpt_url)) if c.valid}
+
+    def committed(self) -> dict[int, dict]:
+        """step -> {"world_size", "samples"} from the newest launch that ran it (the history the model saw)."""
+        newest: dict[int, tuple] = {}
+        for r in self.records():
+            key = (r["seq"], r["launch"])
+            cur = newest.get(r["step"])
+            if cur is None or key > cur[0]:
+                newest[r["step"]] = (key, r["world_size"], list(r["samples"]))
+            elif key == cur[0]:
+                cur[2].extend(r["samples"])
+        return {s: {"world_size": ws, "samples": sorted(samples)} for s, (_, ws, samples) in newest.items()}
+
+    def teardown(self) -> None:
+        for n in self.nodes:
+            if n.alive():
+                n.kill()

@@ -1,0 +1,164 @@
+"""Chaos on a 2-node `elastictrain run` job on localhost with a real etcd: one fault per test.
+
+Each test asserts the outcome, not timings: the job finishes (exit 0); every step of the committed history
+consumed exactly the samples an uninterrupted run does (exactly once); every checkpoint that was valid before
+the fault still is (keep_last is high, so retention removes none); and when every committed step ran at the
+reference's world size, the final parameters are bitwise those of an uninterrupted 2-node run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import uuid
+
+import pytest
+
+from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.status import read_events
+from elastictrain.chaos.faults import drain_node, signal_worker
+from elastictrain.chaos.inject import CHAOS_EXIT_CODE, ENV_CHAOS
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.audit import committed_timeline
+from tests.chaos.cluster import STEPS, Job, expected_samples
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FAULT_STEP = 9
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, _etcd_session_server):
+    """An uninterrupted run of the same job on 2 nodes."""
+    job = Job(tmp_path_factory.mktemp("reference"), _etcd_session_server.endpoint, f"ref-{uuid.uuid4().hex[:8]}")
+    try:
+        nodes = [job.start_node("a"), job.start_node("b")]
+        assert job.wait(nodes) == [0, 0], job.logs()
+        summary = job.summary()
+        assert summary["world_size"] == 2 and summary["start_step"] == 0 and summary["final_step"] == STEPS
+        return summary
+    finally:
+        job.teardown()
+
+
+@pytest.fixture
+def job(tmp_path, etcd, run_id):
+    j = Job(tmp_path, etcd.endpoint, run_id)
+    yield j
+    j.teardown()
+
+
+def start_two(job: Job):
+    a = job.start_node("a")
+    b = job.start_node("b")
+    job.wait_for_step(FAULT_STEP, world_size=2)
+    return a, b
+
+
+def assert_recovered(job: Job, reference: dict, saved_before: set[int]) -> None:
+    summary = job.summary()
+    assert summary["final_step"] == STEPS
+    assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+        "every step must consume exactly the samples of an uninterrupted run, once"
+    lost = saved_before - job.valid_checkpoints()
+    assert not lost, f"committed checkpoints lost or invalid after the fault: {sorted(lost)}"
+    sizes = {s: c["world_size"] for s, c in job.committed().items()}
+    if set(sizes.values()) == {reference["world_size"]}:
+        assert summary["param_digest"] == reference["param_digest"], "same world size: must be bitwise identical"
+        for step, loss in summary["losses"].items():
+            assert loss == reference["losses"][step], step
+    else:  # the world size changed on the way: same samples, numerics differ only by reduction order
+        for step, loss in summary["losses"].items():
+            assert math.isclose(loss, reference["losses"][step], rel_tol=1e-3), (step, sizes)
+
+
+def _etcd(job: Job):
+    settings = EtcdSettings.from_conf(job.endpoint, job.run_id, {})
+    client = EtcdClient(settings)
+    client.connect()
+    return client, settings.run_prefix
+
+
+def events(job: Job) -> list:
+    client, prefix = _etcd(job)
+    try:
+        return read_events(client, prefix)
+    finally:
+        client.close()
+
+
+def restarts_charged(job: Job) -> int:
+    client, prefix = _etcd(job)
+    try:
+        return RestartBudget(client, prefix, max_restarts=job.max_restarts).used()
+    finally:
+        client.close()
+
+
+def test_worker_sigkill_restarts_the_group_and_ends_bitwise_identical(job, reference):
+    a, b = start_two(job)
+    saved = job.valid_checkpoints()
+    signal_worker(b.pid, signal.SIGKILL)
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    assert_recovered(job, reference, saved)
+    assert job.summary()["start_step"] > 0, "the new group resumes from a checkpoint, not from scratch"
+    assert any(e.kind == "failure" for e in events(job))
+
+
+def test_sigstopped_worker_is_detected_as_hung_and_the_job_recovers(job, reference):
+    a, b = start_two(job)
+    saved = job.valid_checkpoints()
+    stopped = signal_worker(b.pid, signal.SIGSTOP)
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    assert_recovered(job, reference, saved)
+    hangs = [e for e in events(job) if e.kind == "hang"]
+    assert hangs and str(stopped) in hangs[0].fields["cause"] and "stopped" in hangs[0].fields["cause"], hangs
+
+
+def test_node_sigkilled_and_rejoined_by_the_same_command(job, reference):
+    a, b = start_two(job)
+    saved = job.valid_checkpoints()
+    b.kill()  # agent and workers, no goodbye: its etcd lease expires
+    b2 = job.start_node("b-rejoined")
+    assert job.wait([a, b2]) == [0, 0], job.logs()
+    assert_recovered(job, reference, saved)
+    assert job.summary()["world_size"] == 2
+
+
+def test_drained_node_leaves_cleanly_and_rejoins(job, reference):
+    a, b = start_two(job)
+    saved = job.valid_checkpoints()
+    drain_node(b.pid)
+    assert job.wait([b]) == [0], "a drained node exits 0\n" + job.logs()
+    assert max(job.valid_checkpoints()) > max(saved), "the drain saves the step it stopped at"
+    b2 = job.start_node("b-rejoined")
+    assert job.wait([a, b2]) == [0, 0], job.logs()
+    assert_recovered(job, reference, saved)
+    assert "drain" in [e.kind for e in events(job)]
+    assert restarts_charged(job) == 0, "a drain must not spend the restart budget"
+
+
+def test_first_agent_killed_the_other_node_finishes_alone(job, reference):
+    a, b = start_two(job)  # a started first: it formed the rendezvous and hosts rank 0
+    saved = job.valid_checkpoints()
+    a.kill()
+    assert job.wait([b]) == [0], job.logs()
+    assert_recovered(job, reference, saved)
+    assert job.summary()["world_size"] == 1
+
+
+def test_crash_loop_ends_the_job_with_a_clear_error(job):
+    env = {ENV_CHAOS: f"crash@step={FAULT_STEP + 1},rank=1"}
+    a = job.start_node("a", env)
+    b = job.start_node("b", env)
+    codes = job.wait([a, b])
+    assert all(c != 0 for c in codes), job.logs()
+    final = [line for line in (a.log() + b.log()).splitlines() if "crash loop" in line]
+    assert final and re.search(rf"at step ({FAULT_STEP}|{FAULT_STEP + 1})\b", final[0]) \
+        and f"exited with code {CHAOS_EXIT_CODE}" in final[0], \
+        "the final error names the loop, the step and the worker's exit\n" + job.logs()
+    assert job.max_step() == FAULT_STEP, "no step past the crashing one"
+    codes = {f["exitcode"] for e in events(job) if e.kind == "failure" for f in e.fields.get("failures", [])}
+    assert CHAOS_EXIT_CODE in codes, codes
