@@ -62,15 +62,17 @@ class NodeLiveness:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop refreshing and revoke the lease so peers see us leave at once."""
+        """Stop refreshing and revoke the lease so peers see us leave at once; safe to call twice."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._watch_id is not None:
-            self._client.cancel_watch(self._watch_id)
-        if self._lease_id is not None:
+        watch_id, self._watch_id = self._watch_id, None
+        if watch_id is not None:
+            self._client.cancel_watch(watch_id)
+        lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
             try:
-                self._client.lease_revoke(self._lease_id)
+                self._client.lease_revoke(lease_id)
             except Exception:  # noqa: BLE001 - etcd may be gone at exit; the lease expires anyway
                 logger.debug("lease revoke failed", exc_info=True)
 
