@@ -40,6 +40,7 @@ from concurrent.futures import Future as CFuture
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -184,7 +185,10 @@ class CheckpointManager:
         due = self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
         if self.cfg.every_seconds > 0 and not due:
             # Clocks differ between ranks; rank 0's decides, or DCP's collectives would deadlock.
-            due = bool(self._broadcast(time.monotonic() - self._last_save_time >= self.cfg.every_seconds))
+            flag = torch.tensor([time.monotonic() - self._last_save_time >= self.cfg.every_seconds], dtype=torch.uint8)
+            if self._distributed:
+                dist.broadcast(flag, src=dist.get_global_rank(self._ctl_pg, 0), group=self._ctl_pg)
+            due = bool(flag.item())
         return due
 
     def save(self, step: int, state: dict[str, Any], *, blocking: bool = False) -> bool:
@@ -253,9 +257,10 @@ class CheckpointManager:
     def _record_failure(self, step: int, url: str, exc: BaseException) -> None:
         self._failures += 1
         assert self.storage is not None
-        inner = _inner(exc)
-        reason = str(explain_storage_error(inner, self.storage, "save to")) if isinstance(inner, OSError) \
-            else _short(exc)
+        reason = str(explain_storage_error(_inner(exc), self.storage, "save to"))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and len(failures) > 1:
+            reason += f" (failed on ranks {', '.join(str(r) for r in sorted(failures))})"
         log.error("checkpoint step %d to %s failed (%d in a row): %s", step, url, self._failures, reason)
         self._emit("checkpoint_failed", step=step, url=url, error=reason, consecutive=self._failures)
         self.last_error = reason

@@ -71,7 +71,15 @@ class S3Server:
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
     def make_bucket(self, name: str) -> str:
-        os.makedirs(os.path.join(self.root, name), exist_ok=True)
+        """Create a bucket: through the S3 API when running (rclone caches directory listings for minutes,
+        so a directory made on disk behind its back may stay invisible), else as a directory."""
+        if not self.running:
+            os.makedirs(os.path.join(self.root, name), exist_ok=True)
+            return name
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+        fs.mkdir(name)
         return name
 
     def start(self, timeout_s: float = 10.0) -> "S3Server":

@@ -36,7 +36,8 @@ def launch(world: int, args: dict[str, Any], out: Path, timeout_s: float = 120.0
     args = {**args, "out": str(out)}
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
-    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "OMP_NUM_THREADS": "1",
+    # MASTER_ADDR: DCP's process-mode checkpointer would otherwise rendezvous on the host's FQDN.
+    env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = []
     for r in range(world):

@@ -115,3 +115,13 @@ def test_s3_server_stopped_during_a_save_training_continues_and_the_next_save_su
         assert "s3://bkt/run" in failed["url"] and failed["consecutive"] == 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_process_mode_async_save_round_trip_is_bitwise(tmp_path):
+    url = str(tmp_path / "ck")
+    train = launch(2, {"scenario": "train", "url": url, "steps": 4, "every_steps": 2, "dump_at": [4],
+                       "async_mode": "process"}, tmp_path / "train")
+    assert [e[0] for e in train[0]["events"]] == ["checkpoint_saved", "checkpoint_saved"]
+    res = launch(2, {"scenario": "resume", "url": url}, tmp_path / "resume")
+    assert [r["step"] for r in res] == [4, 4]
+    assert_bitwise_equal(load(tmp_path / "train" / "ref_step4.pt"), load(tmp_path / "resume" / "loaded_w2.pt"))

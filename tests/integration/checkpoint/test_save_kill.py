@@ -16,12 +16,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PHASES = ["before_data", "after_data", "after_dcp_metadata", "after_manifest", "after_marker"]
 
 
-@pytest.mark.parametrize("blocking", [False, True], ids=["async", "sync"])
-def test_kill_in_each_phase_of_a_save_leaves_nothing_that_is_ever_loaded(tmp_path, blocking):
+def test_kill_in_each_phase_of_a_save_leaves_nothing_that_is_ever_loaded(tmp_path):
+    # An async save: the kill hits DCP's background thread, as it would in training.
     def run(phase):
         out = tmp_path / phase
         launch(1, {"scenario": "kill_phase", "url": str(out / "ck"), "phase": phase, "every_steps": 2,
-                   "blocking": blocking}, out / "run", expect_exit={0: 137})
+                   "blocking": False}, out / "run", expect_exit={0: 137})
         return out
 
     with ThreadPoolExecutor(2) as ex:
