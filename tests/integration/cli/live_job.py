@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -19,15 +21,16 @@ from tests.integration.recipe_runs import FAST, REPO, worker_env
 class LiveJob:
     """Agents started in their own sessions; `stop()` signals each agent's process group by PID."""
 
-    def __init__(self, endpoint: str, run_id: str, out: Path, steps: int, extra: Optional[list[str]] = None):
+    def __init__(self, endpoint: str, run_id: str, out: Path, steps: int, extra: Optional[list[str]] = None,
+                 overrides: Optional[list[str]] = None):
         self.endpoint, self.run_id, self.out, self.steps = endpoint, run_id, out, steps
-        self.extra = extra or []
+        self.extra, self.overrides = extra or [], overrides or []
         self.agents: list[subprocess.Popen] = []
         self.ckpt = out / "ckpt"
 
     def start_agent(self, *flags: str) -> subprocess.Popen:
         overrides = [*FAST, f"train.steps={self.steps}", f"train.output_dir={self.out}",
-                     f"checkpoint.url={self.ckpt}", "checkpoint.every_steps=10", "train.log_every=10"]
+                     f"checkpoint.url={self.ckpt}", "checkpoint.every_steps=10", "train.log_every=10", *self.overrides]
         cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml"),
                "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
                "--max-restarts=3", "--rdzv-conf=lease_ttl=3,last_call_timeout=2,join_timeout=120",
@@ -42,10 +45,19 @@ class LiveJob:
         self.agents.append(p)
         return p
 
-    def cli(self, *args: str, timeout: float = 60, job: bool = True) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "elastictrain.cli.main", *args]
-        if job:
-            cmd += ["--endpoint", self.endpoint, "--run-id", self.run_id]
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """The CLI in this process (a fresh `elastictrain` process spends seconds importing torch)."""
+        from elastictrain.cli.main import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main([*args, "--endpoint", self.endpoint, "--run-id", self.run_id])
+        return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+    def cli_process(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """The installed entry point, as an operator runs it."""
+        cmd = [sys.executable, "-m", "elastictrain.cli.main", *args, "--endpoint", self.endpoint,
+               "--run-id", self.run_id]
         return subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
@@ -57,7 +69,12 @@ class LiveJob:
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            last = self.status()
+            r = self.cli("status", "--json")
+            if r.returncode == 2 and "no run" in r.stderr:  # no agent has written anything yet
+                time.sleep(0.5)
+                continue
+            assert r.returncode in (0, 1), r.stderr
+            last = json.loads(r.stdout)
             if pred(last):
                 return last
             self.check_alive()
