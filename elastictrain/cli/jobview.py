@@ -3,6 +3,7 @@
 `derive()` holds every rule (job state, node staleness, health) and takes plain records, so it is tested
 without services; `collect()` does the reading. Used by `elastictrain status` and the dashboard.
 
+Node states add: loading (joined, workers not training yet), paused, lost, gone (see `_member`).
 Job states: starting, running, pausing, paused, recovering, finished, stopped (every node left, e.g. drained),
 failed. Unhealthy (a probe's non-zero exit): failed; recovering for longer than `max_recovering_s`; a node whose
 status went stale (`stale_after_s`) while the job has not re-formed without it.
@@ -26,7 +27,8 @@ DEFAULT_MAX_RECOVERING_S = 120.0
 """Recovering for longer than this makes the job unhealthy."""
 
 _TERMINAL = {"succeeded", "left", "failed"}
-_TRANSIENT = {"starting", "rendezvous", "recovering", "draining"}
+_TRANSIENT = {"starting", "loading", "rendezvous", "recovering", "draining"}
+_LOADING_PHASES = {"-", "init", "load"}
 
 
 @dataclass
@@ -95,6 +97,8 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
         state = "gone" if superseded_at > n.updated else "lost"
     elif state == "running" and phases and all(p == "paused" for p in phases):
         state = "paused"
+    elif state == "running" and phases and all(p in _LOADING_PHASES for p in phases):
+        state = "loading"  # joined, workers not training yet (process group, checkpoint load)
     return Member(node=n.node, host=n.host, state=state, group_rank=n.group_rank, workers=len(n.workers),
                   phases=phases, heartbeat_age_s=round(max(beats) + age, 1) if beats else None, step=n.step,
                   step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
@@ -127,7 +131,7 @@ def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested:
             state = "failed"
             problems.append("no agent of this job reports any more" if members else "no agent has reported yet")
         since = max((m.state_since for m in members), default=None)
-    elif all(m.state == "starting" for m in live):
+    elif all(m.state in ("starting", "loading") for m in live) and not any(n.restarts_used for n in nodes):
         state, since = "starting", min(m.state_since for m in live)
     elif any(m.state in _TRANSIENT for m in live):
         state = "recovering"

@@ -65,5 +65,13 @@ def test_pause_is_paused_once_every_worker_waits_and_pausing_before():
 
 
 def test_a_fresh_job_is_starting_and_restarts_come_from_the_records():
+    assert derive("r", [node("a", "starting"), node("b", "starting")], NOW).state == "starting"
     v = derive("r", [node("a", "starting", restarts=2), node("b", "starting", restarts=1)], NOW)
-    assert (v.state, v.restarts_used, v.max_restarts) == ("starting", 2, 3)
+    assert (v.state, v.restarts_used, v.max_restarts) == ("recovering", 2, 3)
+
+
+def test_joined_nodes_whose_workers_still_load_are_starting_first_and_recovering_after_a_restart():
+    first = derive("r", [node("a", phase="init"), node("b", phase="load")], NOW)
+    assert first.state == "starting" and [m.state for m in first.members] == ["loading", "loading"]
+    again = derive("r", [node("a", phase="init", restarts=1), node("b", restarts=1)], NOW)
+    assert again.state == "recovering"
