@@ -206,7 +206,8 @@ class Trainer:
     def pause(self) -> bool:
         """Wait at this step boundary until no rank is asked to pause; True when a stop was agreed meanwhile.
 
-        Every rank loops in lockstep on a two-element all_reduce, so all leave at the same iteration.
+        Every rank loops in lockstep on a small all_reduce, so all leave at the same iteration. A "checkpoint
+        now" while paused is saved at once (pause, save, then drain is the planned-maintenance sequence).
         """
         if self.session.is_main:
             log.warning("paused at step %d by operator request", self.step)
@@ -215,9 +216,14 @@ class Trainer:
             self.heartbeat.beat(self.step, "paused")
             time.sleep(_PAUSE_POLL_S)
             self.control.poll()
-            red = torch.tensor([float(self.control.paused), float(self.stop.requested)], device=dev)
+            ckpt = self.session.rank == 0 and self.control.ckpt_requested
+            red = torch.tensor([float(self.control.paused), float(self.stop.requested), float(ckpt)], device=dev)
             dist.all_reduce(red)
-            paused, stop = red.tolist()
+            paused, stop, ckpt_now = red.tolist()
+            if ckpt_now:
+                if self.checkpointer is not None:
+                    self.checkpointer.save_now(self)
+                self.control.ckpt_handled()
             if stop or not paused:
                 if self.session.is_main:
                     log.warning("%s at step %d", "stop requested while paused" if stop else "resumed", self.step)

@@ -98,6 +98,7 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         victim = job.worker_pids(b)[0]
         os.kill(victim, signal.SIGKILL)
         rec = _wait_view(target, lambda v: v.state == "recovering", 30, "recovering after a killed worker")
+        assert rec.restarts_used <= 1
         assert rec.healthy  # recovering briefly is not a fault
         st = job.wait_status(lambda s: s["state"] == "running" and s["restarts_used"] == 1
                              and all((m["step"] or 0) > saved for m in s["members"]), 150, "recovered job")
@@ -113,6 +114,8 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         assert job.status()["step"] == step
         table = job.cli("status").stdout
         assert "PAUSED (healthy)" in table and "paused" in table.split("NODE", 1)[1]
+        assert job.cli("ckpt", "now", "--yes").returncode == 0  # saved while paused, at the paused step
+        job.wait_status(lambda s: (s["checkpoint"] or {}).get("step") == step, 60, "a checkpoint while paused")
         assert job.cli("resume", "--yes").returncode == 0
         job.wait_status(lambda s: s["state"] == "running" and s["step"] > step + 2, 60, "resumed")
 
@@ -126,7 +129,7 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         assert {m["node"]: m["state"] for m in st["members"]}[node_b] == "left"
         assert st["restarts_used"] == 1 and st["healthy"]
         kinds = [json.loads(line)["kind"] for line in job.cli("events", "--json").stdout.splitlines()]
-        assert kinds.count("operator") == 4 and "drain" in kinds
+        assert kinds.count("operator") == 5 and "drain" in kinds  # ckpt, pause, ckpt, resume, drain
 
         # --- the last agent dies without a word: the probe fails once its status goes stale
         os.killpg(a.pid, signal.SIGKILL)
