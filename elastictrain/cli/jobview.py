@@ -11,6 +11,7 @@ status went stale (`stale_after_s`) while the job has not re-formed without it.
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import time
@@ -156,13 +157,28 @@ def event_dict(e: Event) -> dict[str, Any]:
     return {"time": e.time, "node": e.node, "kind": e.kind, "fields": e.fields}
 
 
+_RDZV_CLASSES = {("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+                 ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+                 ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"), ("builtins", "set")}
+
+
+class _RendezvousUnpickler(pickle.Unpickler):
+    """torch keeps the state as a pickle; an operator's CLI loads only the classes that state is made of, so a
+    key forged by whoever can write to etcd cannot run code on the operator's machine."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _RDZV_CLASSES:
+            raise pickle.UnpicklingError(f"unexpected {module}.{name} in the rendezvous state")
+        return super().find_class(module, name)
+
+
 def read_rendezvous(client: Any, run_prefix: str) -> Optional[Rendezvous]:
     """The rendezvous round from torch's state (a pickle in `<run>/rdzv`), or None when absent or unreadable."""
     got = client.get(f"{run_prefix}/rdzv")
     if got is None:
         return None
     try:
-        st = pickle.loads(got[0])  # written by this job's agents, through torch's own state holder
+        st = _RendezvousUnpickler(io.BytesIO(got[0])).load()
         return Rendezvous(round=int(st.round), complete=bool(st.complete), closed=bool(st.closed),
                           participants=len(st.participants), waiting=len(st.wait_list))
     except Exception as e:  # another torch version's layout: the round is a nicety

@@ -75,3 +75,31 @@ def test_joined_nodes_whose_workers_still_load_are_starting_first_and_recovering
     assert first.state == "starting" and [m.state for m in first.members] == ["loading", "loading"]
     again = derive("r", [node("a", phase="init", restarts=1), node("b", restarts=1)], NOW)
     assert again.state == "recovering"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+class _FakeClient:
+    def __init__(self, value: bytes):
+        self.value = value
+
+    def get(self, key):
+        return (self.value, 1)
+
+
+def test_rendezvous_state_is_read_without_running_foreign_pickles():
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastictrain.cli.jobview import read_rendezvous
+
+    st = _RendezvousState()
+    st.round, st.complete = 4, True
+    st.participants = {_NodeDesc("h", 1, 0): 0, _NodeDesc("h", 2, 0): 1}
+    got = read_rendezvous(_FakeClient(pickle.dumps(st)), "/p")
+    assert (got.round, got.complete, got.participants, got.waiting) == (4, True, 2, 0)
+    assert read_rendezvous(_FakeClient(pickle.dumps(_Evil())), "/p") is None
