@@ -1,0 +1,365 @@
+"""Recovery benchmark: `elastictrain run` (our agent + etcd3) vs stock torchrun (c10d), same workload, same run.
+
+Writes benchmarks/results/recovery.json. Run: `python benchmarks/recovery.py [--trials 2]`.
+
+Workload: the reference recipe (tiny Llama, synthetic data, FSDP2 on gloo; the chaos tests' FAST settings), 2 nodes
+x 1 worker on localhost, `--nnodes 1:2`, checkpoint every 10 steps, sample ledger on. Progress is read from the
+workers' sample ledgers (one JSON line per rank per step), polled every 20 ms; a step is *completed* when every
+rank of its group has written it. Each trial runs two jobs per configuration:
+
+* job 1: (a) SIGKILL the worker of node b; then, 10 steps into the new group, (d) SIGSTOP the worker of node b.
+* job 2: (b) SIGKILL node b (agent and worker); then, once the survivor trains alone, (c) start node b again
+  with the same command.
+
+Figures: (a), (b), (d): seconds from the signal to the first step completed by a group launched after it; (c):
+seconds from the re-joining node's start to the first completed step of a 2-node group. Steps lost: steps the
+old group had completed that the new one runs again. Stock torchrun is given `--max-restarts`, the same
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` and `--monitor-interval 0.1`; node b is never the c10d store host
+(killing that one ends a c10d job). A fault counts as "not detected" when no new group completes a step within
+`--hang-wait` (default 60 s); every process is then killed by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastictrain.chaos.faults import signal_worker  # noqa: E402
+from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
+from tests.chaos.cluster import Node  # noqa: E402
+from tests.integration.recipe_runs import FAST, worker_env  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "recovery.json"
+CONFIG = str(ROOT / "configs" / "tiny-cpu.yaml")
+
+CONFS: dict[str, dict[str, list[str]]] = {
+    "ours": {
+        # elastic.* defaults of the config: lease_ttl 5 s, join grace (last call) 10 s, hang floor 30 s
+        "defaults": [],
+        "tuned": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3"],
+    },
+    "stock": {
+        "defaults": [],
+        # the tuning behind the design's 9.9 s (benchmarks/rendezvous.py): short last call and heartbeats
+        "tuned": ["--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"],
+    },
+}
+
+
+@dataclass
+class Completed:
+    time: float
+    seq: int
+    step: int
+    world: int
+
+
+class LedgerWatch:
+    """Polls the sample ledgers and timestamps each step when its last rank writes it."""
+
+    def __init__(self, directory: Path, interval: float = 0.02):
+        self.dir, self.interval = directory, interval
+        self._offsets: dict[Path, int] = {}
+        self._ranks: dict[tuple[int, int], set[int]] = {}
+        self._world: dict[tuple[int, int], int] = {}
+        self.completed: list[Completed] = []
+        self.first: dict[int, int] = {}
+        """launch seq -> the first step its group completed"""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            time.sleep(self.interval)
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for path in sorted(self.dir.glob("rank*.jsonl")) if self.dir.exists() else []:
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a line still being written is read next time
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                key = (r["seq"], r["step"])
+                with self._lock:
+                    ranks = self._ranks.setdefault(key, set())
+                    ranks.add(r["rank"])
+                    self._world[key] = r["world_size"]
+                    if len(ranks) == r["world_size"]:
+                        self.completed.append(Completed(now, r["seq"], r["step"], r["world_size"]))
+                        self.first[r["seq"]] = min(self.first.get(r["seq"], r["step"]), r["step"])
+
+    def snapshot(self) -> list[Completed]:
+        with self._lock:
+            return list(self.completed)
+
+    def wait(self, pred, timeout: float, nodes: list[Node]) -> Optional[Completed]:
+        """The first completed step matching `pred`, or None after `timeout` (or when every node exited)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for c in self.snapshot():
+                if pred(c):
+                    return c
+            if not any(n.alive() for n in nodes):
+                return None
+            time.sleep(0.02)
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Job:
+    def __init__(self, system: str, conf: str, work: Path, endpoint: Optional[str]):
+        self.system, self.conf, self.work = system, conf, work
+        self.out = work / "out"
+        self.out.mkdir(parents=True)
+        self.run_id = f"rec-{uuid.uuid4().hex[:8]}"
+        self.endpoint = endpoint
+        self.port = _free_port()
+        self.nodes: list[Node] = []
+        self.watch = LedgerWatch(self.out / "samples")
+
+    def command(self) -> list[str]:
+        sets = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt", "checkpoint.every_steps=10",
+                "checkpoint.keep_last=2", "train.steps=100000", "train.audit_samples=true"]
+        flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "100"]
+        if self.system == "ours":
+            cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", CONFIG]
+            for s in sets:
+                cmd += ["--set", s]
+            return cmd + [*flags, "--rdzv-endpoint", str(self.endpoint), "--rdzv-id", self.run_id,
+                          *CONFS["ours"][self.conf]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "--monitor-interval", "0.1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+               *CONFS["stock"][self.conf], "-m", "elastictrain.recipes.lm", "--config", CONFIG]
+        for s in sets:
+            cmd += ["--set", s]
+        return cmd
+
+    def start(self, name: str) -> Node:
+        node = Node(name, self.command(), worker_env(), self.out / f"{name}-{len(self.nodes)}.log")
+        self.nodes.append(node)
+        return node
+
+    def start_both(self) -> tuple[Node, Node]:
+        a = self.start("a")
+        if self.system == "stock":
+            # "a" is the c10d store host. If "b" forms a 1-node group first, stock torchrun may never admit
+            # "a" (seen twice under load: no 2-node step within 180 s), so "a" starts rendezvous first.
+            deadline = time.monotonic() + 60
+            while not _listening(a.pid, self.port) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(1.0)
+        b = self.start("b")
+        return a, b
+
+    def newest(self) -> Completed:
+        return max(self.watch.snapshot(), key=lambda c: (c.seq, c.step))
+
+    def close(self) -> None:
+        self.watch.close()
+        for n in self.nodes:
+            if n.alive():
+                n.kill()
+
+
+def _measure(job: Job, fault_at: float, before: Completed, timeout: float, world: Optional[int] = None) -> dict:
+    after = job.watch.wait(lambda c: c.seq > before.seq and (world is None or c.world == world), timeout, job.nodes)
+    if after is None:
+        return {"recovered": False, "recovery_s": None, "steps_lost": None,
+                "note": f"no step by a new group within {timeout:.0f} s (not detected / not recovered)"}
+    done = job.watch.snapshot()
+    first = min((c for c in done if c.seq == after.seq), key=lambda c: c.step)
+    # the furthest any earlier group got; the new group starts again from its checkpoint
+    reached = max(c.step for c in done if c.seq < after.seq)
+    return {"recovered": True, "recovery_s": round(after.time - fault_at, 2),
+            "steps_lost": max(0, reached + 1 - first.step), "resumed_at_step": first.step, "world": after.world}
+
+
+def _trained(job: Job, after_seq: int, steps: int, world: int = 2) -> bool:
+    """Wait until a group launched after `after_seq` on `world` ranks has completed `steps` steps."""
+    def pred(c: Completed) -> bool:
+        return c.seq > after_seq and c.world == world and c.step - job.watch.first[c.seq] + 1 >= steps
+    return job.watch.wait(pred, 180, job.nodes) is not None
+
+
+def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
+                      timeout: float) -> None:
+    """(a) SIGKILL node b's worker, then (d) SIGSTOP it once a 2-rank group trains again."""
+    job = Job(system, conf, work, endpoint)
+    try:
+        _, b = job.start_both()
+        assert _trained(job, -1, 12), "the job never trained on 2 nodes"
+        before = job.newest()
+        t = time.monotonic()
+        signal_worker(b.pid, signal.SIGKILL)
+        out["worker_kill"] = _measure(job, t, before, timeout)
+        if not out["worker_kill"]["recovered"]:
+            return
+        # the hang detector calibrates on >= 5 steps of the new group first
+        assert _trained(job, before.seq, 8), "no 2-rank group trained after the worker kill"
+        before = job.newest()
+        t = time.monotonic()
+        signal_worker(b.pid, signal.SIGSTOP)
+        out["hang"] = _measure(job, t, before, hang_wait)
+    finally:
+        job.close()
+
+
+def job_node_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
+                    timeout: float) -> None:
+    """(b) SIGKILL node b (agent and worker), then (c) start it again once the survivor trains alone."""
+    job = Job(system, conf, work, endpoint)
+    try:
+        _, b = job.start_both()
+        assert _trained(job, -1, 12), "the job never trained on 2 nodes"
+        before = job.newest()
+        t = time.monotonic()
+        b.kill()
+        out["node_loss"] = _measure(job, t, before, timeout)
+        if not out["node_loss"]["recovered"]:
+            return
+        assert _trained(job, before.seq, 5, world=1), "the survivor did not train alone"
+        before = job.newest()
+        t = time.monotonic()
+        job.start("b")
+        out["rejoin"] = _measure(job, t, before, timeout, world=2)
+    finally:
+        job.close()
+
+
+def _listening(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return round(statistics.median(xs), 2) if xs else None
+
+
+def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict]:
+    """Per fault and configuration: median seconds and steps lost; then stock/ours ratios of the medians."""
+    summary: dict[str, dict] = {}
+    for fault in ("worker_kill", "node_loss", "rejoin", "hang"):
+        summary[fault] = {}
+        for system, conf in plan:
+            rs = [r for r in runs if r["fault"] == fault and r["system"] == system and r["conf"] == conf]
+            secs = [r["recovery_s"] for r in rs if r.get("recovered")]
+            lost = [r["steps_lost"] for r in rs if r.get("recovered") and r.get("steps_lost") is not None]
+            summary[fault][f"{system}:{conf}"] = {
+                "median_s": _median(secs), "runs_s": [r.get("recovery_s") for r in rs],
+                "recovered": f"{len(secs)}/{len(rs)}", "steps_lost_median": _median(lost),
+                "steps_lost": [r.get("steps_lost") for r in rs]}
+    ratios: dict[str, dict] = {}
+    for fault, by in summary.items():
+        ratios[fault] = {}
+        for conf in ("defaults", "tuned"):
+            ours, stock = by.get(f"ours:{conf}"), by.get(f"stock:{conf}")
+            if not ours or not stock or ours["median_s"] is None or stock["recovered"].endswith("/0"):
+                ratios[fault][conf] = None
+            elif stock["median_s"] is None:
+                ratios[fault][conf] = "stock never recovered within the bound"
+            else:
+                ratios[fault][conf] = round(stock["median_s"] / ours["median_s"], 2)
+    return summary, ratios
+
+
+def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict) -> None:
+    summary, ratios = summarize(runs, plan)
+    result = {
+        "meta": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(), "cpus": psutil.cpu_count(),
+            "workload": "recipe elastictrain.recipes.lm, tiny Llama (hidden 32, 2 layers), synthetic data, seq 16, "
+                        "global batch 8, FSDP2 on gloo; 2 nodes x 1 worker on localhost, checkpoint every 10 steps",
+            "metric": "seconds from the fault to the first step completed (by every rank) of a group launched after "
+                      "it; rejoin: from the node's start to the first completed step of the 2-node group",
+            "confs": CONFS,
+            **meta,
+        },
+        "summary": summary,
+        "speedup_stock_over_ours": ratios,
+        "runs": runs,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")  # noqa: T201
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=2)
+    p.add_argument("--hang-wait", type=float, default=60.0, help="bound on waiting for a hang to be recovered")
+    p.add_argument("--timeout", type=float, default=90.0, help="bound on waiting for other recoveries")
+    p.add_argument("--systems", default="ours:tuned,stock:tuned,ours:defaults,stock:defaults")
+    p.add_argument("--from-log", help="only rebuild the JSON from the entries a previous run printed")
+    args = p.parse_args()
+    plan = [tuple(s.split(":")) for s in args.systems.split(",")]
+    meta = {"hang_wait_s": args.hang_wait, "timeout_s": args.timeout, "load_avg_at_start": os.getloadavg()}
+    if args.from_log:
+        runs = [json.loads(line) for line in Path(args.from_log).read_text().splitlines() if line.startswith("{")]
+        write_results(runs, plan, {**meta, "rebuilt_from_log": True, "load_avg_at_start": None})
+        return
+    runs: list[dict] = []
+    t_start = time.monotonic()
+    with EmbeddedEtcd() as etcd, tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        for trial in range(args.trials):
+            for system, conf in plan:
+                for kind, fn in (("worker", job_worker_faults), ("node", job_node_faults)):
+                    work = Path(tmp) / f"{system}-{conf}-{kind}-{trial}"
+                    res: dict[str, dict] = {}
+                    try:
+                        fn(res, system, conf, work, etcd.endpoint, args.hang_wait, args.timeout)
+                    except AssertionError as e:
+                        res[f"{kind}_job_error"] = {"recovered": False, "note": str(e)}
+                    for fault, r in res.items():
+                        entry = {"system": system, "conf": conf, "trial": trial, "fault": fault,
+                                 "load_avg_1m": round(os.getloadavg()[0], 1), **r}
+                        runs.append(entry)
+                        print(json.dumps(entry), flush=True)  # noqa: T201 - progress of a benchmark script
+    write_results(runs, plan, {**meta, "wall_s": round(time.monotonic() - t_start, 1),
+                               "load_avg_at_end": os.getloadavg()})
+
+
+if __name__ == "__main__":
+    main()
