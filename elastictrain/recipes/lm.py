@@ -251,6 +251,9 @@ class Trainer:
         t0 = time.monotonic()
         stopped_early = stopped_by_peer = False
         end = min(t.steps, t.stop_at) if t.stop_at else t.steps
+        if self.step >= end and s.is_main:
+            log.warning("already at step %d of %d (resumed from %s): nothing to train; to start over, use "
+                        "--set checkpoint.resume=never or another checkpoint.url", self.step, end, resumed_from)
         while self.step < end:
             ts = time.monotonic()
             red = self.train_step()
