@@ -52,16 +52,16 @@ from tests.integration.recipe_runs import FAST, worker_env  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "recovery.json"
 CONFIG = str(ROOT / "configs" / "tiny-cpu.yaml")
 
-CONFS: dict[str, dict[str, list[str]]] = {
+CONFS: dict[str, dict] = {
     "ours": {
         # elastic.* defaults of the config: lease_ttl 5 s, join grace (last call) 10 s, hang floor 30 s
         "defaults": [],
         "tuned": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3"],
     },
-    "stock": {
-        "defaults": [],
+    "stock": {  # --rdzv-conf values (plus is_host, see Job.command)
+        "defaults": "",
         # the tuning behind the design's 9.9 s (benchmarks/rendezvous.py): short last call and heartbeats
-        "tuned": ["--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"],
+        "tuned": "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
     },
 }
 
@@ -121,14 +121,14 @@ class LedgerWatch:
         with self._lock:
             return list(self.completed)
 
-    def wait(self, pred, timeout: float, nodes: list[Node]) -> Optional[Completed]:
-        """The first completed step matching `pred`, or None after `timeout` (or when every node exited)."""
+    def wait(self, pred, timeout: float, nodes: list[Node], abort=None) -> Optional[Completed]:
+        """The first completed step matching `pred`, or None after `timeout`, when every node exited or `abort()`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for c in self.snapshot():
                 if pred(c):
                     return c
-            if not any(n.alive() for n in nodes):
+            if not any(n.alive() for n in nodes) or (abort is not None and abort()):
                 return None
             time.sleep(0.02)
         return None
@@ -149,7 +149,7 @@ class Job:
         self.nodes: list[Node] = []
         self.watch = LedgerWatch(self.out / "samples")
 
-    def command(self) -> list[str]:
+    def command(self, name: str) -> list[str]:
         sets = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt", "checkpoint.every_steps=10",
                 "checkpoint.keep_last=2", "train.steps=100000", "train.audit_samples=true"]
         flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "100"]
@@ -159,15 +159,18 @@ class Job:
                 cmd += ["--set", s]
             return cmd + [*flags, "--rdzv-endpoint", str(self.endpoint), "--rdzv-id", self.run_id,
                           *CONFS["ours"][self.conf]]
+        # On one host every agent matches the endpoint and may start a store of its own: two 1-node jobs
+        # (seen: both nodes trained alone). Only "a" hosts it, as only the endpoint's host would on real nodes.
+        conf = ",".join(filter(None, [CONFS["stock"][self.conf], "is_host=" + ("true" if name == "a" else "false")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "--monitor-interval", "0.1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
-               *CONFS["stock"][self.conf], "-m", "elastictrain.recipes.lm", "--config", CONFIG]
+               "--rdzv-conf", conf, "-m", "elastictrain.recipes.lm", "--config", CONFIG]
         for s in sets:
             cmd += ["--set", s]
         return cmd
 
     def start(self, name: str) -> Node:
-        node = Node(name, self.command(), worker_env(), self.out / f"{name}-{len(self.nodes)}.log")
+        node = Node(name, self.command(name), worker_env(), self.out / f"{name}-{len(self.nodes)}.log")
         self.nodes.append(node)
         return node
 
@@ -211,7 +214,21 @@ def _trained(job: Job, after_seq: int, steps: int, world: int = 2) -> bool:
     """Wait until a group launched after `after_seq` on `world` ranks has completed `steps` steps."""
     def pred(c: Completed) -> bool:
         return c.seq > after_seq and c.world == world and c.step - job.watch.first[c.seq] + 1 >= steps
-    return job.watch.wait(pred, 180, job.nodes) is not None
+    found = job.watch.wait(pred, 180, job.nodes, abort=lambda: _split(job))
+    assert not _split(job), ("split brain: two 1-node groups trained at the same time, each on its own "
+                             "(both wrote the shared checkpoint directory)")
+    return found is not None
+
+
+def _split(job: Job) -> bool:
+    """Two groups of one rank each completed a step within the same second: two jobs, not one."""
+    recent: dict[int, float] = {}
+    for c in job.watch.snapshot():
+        if c.world == 1:
+            recent[c.seq] = c.time
+    times = sorted(recent.values())
+    return len(times) >= 2 and any(b - a < 1.0 for a, b in zip(times, times[1:])) and \
+        all(t > time.monotonic() - 2.0 for t in times[-2:])
 
 
 def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
@@ -279,6 +296,7 @@ def _median(xs: list[float]) -> Optional[float]:
 
 def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict]:
     """Per fault and configuration: median seconds and steps lost; then stock/ours ratios of the medians."""
+    runs = [r for r in runs if not r.get("excluded_from_summary")]
     summary: dict[str, dict] = {}
     for fault in ("worker_kill", "node_loss", "rejoin", "hang"):
         summary[fault] = {}
@@ -333,11 +351,15 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=90.0, help="bound on waiting for other recoveries")
     p.add_argument("--systems", default="ours:tuned,stock:tuned,ours:defaults,stock:defaults")
     p.add_argument("--from-log", help="only rebuild the JSON from the entries a previous run printed")
+    p.add_argument("--extra-log", help="with --from-log: entries of another pass, kept in runs, not summarized")
     args = p.parse_args()
     plan = [tuple(s.split(":")) for s in args.systems.split(",")]
     meta = {"hang_wait_s": args.hang_wait, "timeout_s": args.timeout, "load_avg_at_start": os.getloadavg()}
     if args.from_log:
         runs = [json.loads(line) for line in Path(args.from_log).read_text().splitlines() if line.startswith("{")]
+        if args.extra_log:
+            runs += [{**json.loads(line), "excluded_from_summary": True}
+                     for line in Path(args.extra_log).read_text().splitlines() if line.startswith("{")]
         write_results(runs, plan, {**meta, "rebuilt_from_log": True, "load_avg_at_start": None})
         return
     runs: list[dict] = []
