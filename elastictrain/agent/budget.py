@@ -67,13 +67,27 @@ class RestartBudget:
         written, current, _ = self.client.cas(f"{self.prefix}{round_:08d}", json.dumps(asdict(rec)).encode(), None)
         if not written and current is not None:
             rec = RestartRecord(**json.loads(current))
-        records = self.records()
+        self._check(self.records(), rec.cause)
+        return rec
+
+    def final_error(self) -> Optional[str]:
+        """The budget or crash-loop error the records show, if any: for a node that finds the job ended."""
+        try:
+            records = self.records()
+            if records:
+                self._check(records, records[-1].cause)
+        except AgentError as e:
+            return str(e)
+        except Exception:  # etcd unreachable: nothing to add
+            log.debug("could not read the restart records", exc_info=True)
+        return None
+
+    def _check(self, records: list[RestartRecord], cause: str) -> None:
         if len(records) > self.max_restarts:
             raise RestartBudgetExhausted(
                 f"restart budget spent: {len(records)} restarts > elastic.max_restarts={self.max_restarts} for the "
-                f"whole job; last cause: {rec.cause}. Fix the cause, then raise --max-restarts or start a new run id")
+                f"whole job; last cause: {cause}. Fix the cause, then raise --max-restarts or start a new run id")
         self._check_crash_loop(records)
-        return rec
 
     def _check_crash_loop(self, records: list[RestartRecord]) -> None:
         """The last n restarts all died at the same step (or before any step): restarting cannot help."""

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
@@ -151,6 +152,11 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
             return 0 if e.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(e.sigval)
         except AgentError as e:
             log.error("%s", e)
+            return 1
+        except RendezvousClosedError:
+            # Another node ended the job (crash loop, spent budget) and closed the rendezvous; say why here too.
+            why = budget.final_error() or "the job has ended on another node; see `elastictrain events`"
+            log.error("rendezvous of run %s was closed by another node: %s", run_id, why)
             return 1
     return 0
 
