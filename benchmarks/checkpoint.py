@@ -56,20 +56,16 @@ def _launch(world: int, args: dict[str, Any], workdir: Path) -> list[dict[str, A
 # ------------------------------------------------------------------------------------------ worker
 
 
-def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
+def _sharded_model(rank: int, world: int, port: int, args: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """Join a gloo group; an FSDP2 stack of Linear layers with AdamW state (one step taken)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elastictrain.checkpoint.manager import CheckpointManager
-    from elastictrain.checkpoint.storage import open_storage
-    from elastictrain.config import CheckpointConfig
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     width, depth = args["width"], args["depth"]
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
     for layer in model:
@@ -79,6 +75,19 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
     model(torch.randn(2, width)).sum().backward()
     opt.step()
     opt.zero_grad()
+    return model, opt
+
+
+def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from elastictrain.checkpoint.manager import CheckpointManager
+    from elastictrain.checkpoint.storage import open_storage
+    from elastictrain.config import CheckpointConfig
+
+    model, opt = _sharded_model(rank, world, port, args, seed=0)
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is global
 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -160,27 +169,13 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
 
 def _load_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str, Any]:
     """Load the checkpoints written by 2 ranks at another world size (resharding)."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from elastictrain.checkpoint.manager import CheckpointManager
     from elastictrain.config import CheckpointConfig
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(1)
-    width, depth = args["width"], args["depth"]
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, width)).sum().backward()
-    opt.step()
-    opt.zero_grad()
+    model, opt = _sharded_model(rank, world, port, args, seed=1)
     out: dict[str, Any] = {}
     for target in args["targets"]:
         cfg = CheckpointConfig(url=target["url"], storage_options=target.get("storage_options", {}))

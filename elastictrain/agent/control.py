@@ -21,7 +21,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 

@@ -215,7 +215,6 @@ def scenario_train(args: dict, rank: int, world: int) -> dict:
 
 def scenario_resume(args: dict, rank: int, world: int) -> dict:
     """Load the latest checkpoint into a differently initialised model; dump it; optionally keep training."""
-    import torch
 
     model, opt = _build(123, world)
     events: list = []
