@@ -3,8 +3,8 @@
 One failure makes every agent of the group restart (its own worker died, or a collective on a dead peer
 failed), so a restart is charged per *rendezvous round*: the first agent to record `restarts/<round>` charges
 it, the others find it there. The budget is the number of such records. A crash loop is `crash_loop_restarts`
-charged restarts in a row that all failed at the same step, give or take one (or before any step): then the job ends with a clear error instead of
-spending the rest of the budget.
+charged restarts in a row that all failed at the same step, give or take `CRASH_LOOP_STEP_SLACK` (or before
+any step): then the job ends with a clear error instead of spending the rest of the budget.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from elastictrain.rendezvous.client import EtcdClient
 log = logging.getLogger(__name__)
 
 DEFAULT_CRASH_LOOP_RESTARTS = 3
+CRASH_LOOP_STEP_SLACK = 2
+"""Restarts whose failure steps differ by at most this much count as failing at the same place."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ class RestartBudget:
             return
         recent = records[-n:]
         steps = [r.step for r in recent]
-        # +-1: the charging node of each round may see the failure one step earlier or later than its peers
+        # The step is the newest one the charging agent heard of: heartbeats are throttled (50 ms) and nodes see a
+        # failure at slightly different moments, so the same crash reads as steps a little apart.
         same_place = all(s is None for s in steps) or (
-            None not in steps and max(steps) - min(steps) <= 1)  # type: ignore[type-var]
+            None not in steps and max(steps) - min(steps) <= CRASH_LOOP_STEP_SLACK)  # type: ignore[type-var]
         if same_place:
             where = "before the first step" if recent[0].step is None else f"at step {recent[0].step}"
             raise CrashLoopError(

@@ -159,8 +159,10 @@ def test_crash_loop_ends_the_job_with_a_clear_error(job):
     assert all(c != 0 for c in codes), job.logs()
     for node in (a, b):  # each node ends with the error, also one that finds the rendezvous closed
         final = [line for line in node.log().splitlines() if "crash loop" in line]
-        # the cause is whichever node charged the round first: the crashed worker's exit or its peer's error
-        assert final and re.search(rf"at step ({FAULT_STEP}|{FAULT_STEP + 1})\b", final[-1]) \
+        # the cause is whichever node charged the round first: the crashed worker's exit or its peer's error; the
+        # step is the newest one the agent heard of, and heartbeats are throttled (50 ms), so it may lag by one
+        found = re.search(r"at step (\d+)\b", final[-1]) if final else None
+        assert found and FAULT_STEP - 1 <= int(found.group(1)) <= FAULT_STEP + 1 \
             and "last cause: rank" in final[-1], f"{node.name} must end naming the loop and its step\n" + job.logs()
     assert job.max_step() == FAULT_STEP, "no step past the crashing one"
     codes = {f["exitcode"] for e in events(job) if e.kind == "failure" for f in e.fields.get("failures", [])}
