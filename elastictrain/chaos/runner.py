@@ -1,0 +1,253 @@
+"""Run a fault schedule against a job: fire each fault when its step or time comes, heal it after its duration.
+
+The runner knows nothing about processes or networks: a :class:`ChaosTarget` injects faults into one kind of
+job (:class:`elastictrain.chaos.local.LocalTarget`: a live job on this machine; the network-namespace target:
+simulated hosts). Faults fire one after another in schedule order; an unnamed node is chosen with
+``random.Random(schedule.seed)`` among the target's live nodes (sorted), so the same seed and the same job give the
+same choices. Every heal is waited for before :meth:`ChaosRunner.run` returns, including when the job finishes
+early, the caller stops the run, or the timeout passes (then pending heals run at once).
+
+Each fault yields one record (also appended as a JSON line to the event log)::
+
+    {"fault": "kill-node:node1@step=8/3s", "kind": "kill-node", "node": "node1", "detail": "SIGKILL agent ...",
+     "fired_at_s": 12.3, "fired_step": 8, "healed_at_s": 15.3, "skipped": null}
+
+``skipped`` holds the reason a fault did not fire (the target cannot inject it, the job finished first, no live
+node); ``heal_error`` is added when undoing the fault failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from elastictrain.chaos.schedule import NODE_KINDS, Fault, Schedule
+from elastictrain.errors import ElastictrainError
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedFault(ElastictrainError):
+    """A target cannot inject this kind of fault (the message says what it would need)."""
+
+
+@dataclass
+class Injected:
+    """A fault that was injected: where it hit, what was done, and how to undo it."""
+
+    fault: Fault
+    node: Optional[str]
+    detail: str
+    heal: Optional[Callable[[], None]]
+
+
+class ChaosTarget(Protocol):
+    """A job faults can be injected into."""
+
+    def nodes(self) -> list[str]:
+        """Names of the nodes faults may target now (live ones)."""
+        ...
+
+    def step(self) -> Optional[int]:
+        """Newest step the job completed, None if not known yet."""
+        ...
+
+    def finished(self) -> bool:
+        """Whether the job ended (the runner stops firing)."""
+        ...
+
+    def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
+        """Inject `fault` into `node` (None for faults that hit no node); raise UnsupportedFault to skip it."""
+        ...
+
+
+EventCallback = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class _Pending:
+    """A fired fault waiting for its heal."""
+
+    due: float
+    record: dict[str, Any]
+    heal: Callable[[], None]
+
+
+class ChaosRunner:
+    """Fire a schedule's faults into a target in order, heal each after its duration, log one record per fault."""
+
+    def __init__(self, schedule: Schedule, target: ChaosTarget, *, event_log: Optional[str] = None,
+                 min_gap_s: float = 0.0, clock: Callable[[], float] = time.monotonic, poll_s: float = 0.2,
+                 sleep: Optional[Callable[[float], None]] = None, on_event: Optional[EventCallback] = None):
+        """`min_gap_s`: least seconds between two fires; `sleep`: waits between polls (default: the stop event);
+        `on_event(what, record)`: called with what in {"fired", "healed", "skipped"} (the CLI prints these)."""
+        self.schedule = schedule
+        self.target = target
+        self.event_log = event_log
+        self.min_gap_s = min_gap_s
+        self.clock = clock
+        self.poll_s = poll_s
+        self._sleep = sleep
+        self.on_event = on_event
+        self.rng = random.Random(schedule.seed)
+
+    def run(self, stop: Optional[threading.Event] = None, timeout: Optional[float] = None) -> list[dict]:
+        """Run the whole schedule; returns one record per fault, in schedule order (see the module docstring)."""
+        stop = stop or threading.Event()
+        t0 = self.clock()
+        records: list[dict[str, Any]] = []
+        pending: list[_Pending] = []
+        last_fire: Optional[float] = None
+
+        def now() -> float:
+            return self.clock() - t0
+
+        def over() -> Optional[str]:
+            if stop.is_set():
+                return "the chaos run was stopped"
+            if timeout is not None and now() >= timeout:
+                return f"the chaos run timed out after {timeout:g}s"
+            if self.target.finished():
+                return "the job finished first"
+            return None
+
+        try:
+            for fault in self.schedule.faults:
+                record = self._record(fault)
+                records.append(record)
+                reason = self._wait_until_due(fault, last_fire, now, over, pending, stop)
+                node: Optional[str] = None
+                if reason is None and fault.kind in NODE_KINDS:
+                    node, reason = self._choose_node(fault, over, now, pending, stop)
+                if reason is not None:
+                    self._skip(record, reason)
+                    continue
+                last_fire = now()
+                self._fire(fault, node, record, now, pending)
+            self._heal_due(pending, now, force_reason=None, wait=True, over=over, stop=stop)
+        finally:
+            # Whatever went wrong above, leave no fault in place.
+            self._heal_due(pending, now, force_reason="the chaos run ended", wait=False, over=over, stop=stop)
+        return records
+
+    def _record(self, fault: Fault) -> dict[str, Any]:
+        return {"fault": fault.describe(), "kind": fault.kind, "node": None, "detail": "", "fired_at_s": None,
+                "fired_step": None, "healed_at_s": None, "skipped": None}
+
+    def _wait(self, stop: threading.Event) -> None:
+        if self._sleep is not None:
+            self._sleep(self.poll_s)
+        else:
+            stop.wait(self.poll_s)
+
+    def _wait_until_due(self, fault: Fault, last_fire: Optional[float], now: Callable[[], float],
+                        over: Callable[[], Optional[str]], pending: list[_Pending],
+                        stop: threading.Event) -> Optional[str]:
+        """Wait until `fault` may fire; returns why it never will, or None."""
+        while True:
+            self._heal_due(pending, now, force_reason=None, wait=False, over=over, stop=stop)
+            reason = over()
+            if reason is not None:
+                return reason
+            t = now()
+            gap_ok = last_fire is None or t - last_fire >= self.min_gap_s
+            if gap_ok and self._condition(fault, t):
+                return None
+            self._wait(stop)
+
+    def _condition(self, fault: Fault, t: float) -> bool:
+        if fault.at_time is not None:
+            return t >= fault.at_time
+        if fault.at_step is not None:
+            step = self.target.step()
+            return step is not None and step >= fault.at_step
+        return True
+
+    def _choose_node(self, fault: Fault, over: Callable[[], Optional[str]], now: Callable[[], float],
+                     pending: list[_Pending], stop: threading.Event) -> tuple[Optional[str], Optional[str]]:
+        """The node a node fault hits: its named target, else a seeded choice among live nodes (waits for one)."""
+        if fault.target is not None:
+            return fault.target, None
+        while True:
+            live = sorted(self.target.nodes())
+            if live:
+                return self.rng.choice(live), None
+            # Every node may be down for a moment (a killed node re-launching); wait rather than skip.
+            self._heal_due(pending, now, force_reason=None, wait=False, over=over, stop=stop)
+            reason = over()
+            if reason is not None:
+                return None, f"no live node to hit ({reason})"
+            self._wait(stop)
+
+    def _fire(self, fault: Fault, node: Optional[str], record: dict[str, Any], now: Callable[[], float],
+              pending: list[_Pending]) -> None:
+        record["fired_step"] = self.target.step()
+        try:
+            injected = self.target.inject(fault, node, self.rng)
+        except UnsupportedFault as e:
+            self._skip(record, f"unsupported: {e}")
+            return
+        except Exception as e:  # a fault that fails to inject must not stop the rest of the schedule
+            log.exception("chaos: injecting %s failed", fault.describe())
+            self._skip(record, f"injection failed: {type(e).__name__}: {e}")
+            return
+        record.update(node=injected.node, detail=injected.detail, fired_at_s=round(now(), 3))
+        log.info("chaos: fired %s on %s at %.1fs (step %s): %s", fault.describe(), injected.node or "-",
+                 record["fired_at_s"], record["fired_step"], injected.detail)
+        self._emit("fired", record)
+        heal_after = fault.heal_after
+        if injected.heal is None:
+            self._finish(record)
+            return
+        pending.append(_Pending(due=now() + (heal_after or 0.0), record=record, heal=injected.heal))
+
+    def _heal_due(self, pending: list[_Pending], now: Callable[[], float], *, force_reason: Optional[str],
+                  wait: bool, over: Callable[[], Optional[str]], stop: threading.Event) -> None:
+        """Heal the pending faults that are due; all of them at once when forced or the run is over.
+
+        With `wait`, keep going until none is left (sleeping until the next one is due)."""
+        while pending:
+            force = force_reason is not None or over() is not None
+            due = [p for p in pending if force or now() >= p.due]
+            for p in due:
+                pending.remove(p)
+                self._heal(p, now)
+            if not wait:
+                return
+            if pending:
+                self._wait(stop)
+
+    def _heal(self, p: _Pending, now: Callable[[], float]) -> None:
+        try:
+            p.heal()
+        except Exception as e:  # keep healing the others; the record says what could not be undone
+            log.exception("chaos: healing %s failed", p.record["fault"])
+            p.record["heal_error"] = f"{type(e).__name__}: {e}"
+        p.record["healed_at_s"] = round(now(), 3)
+        log.info("chaos: healed %s on %s at %.1fs%s", p.record["fault"], p.record["node"] or "-",
+                 p.record["healed_at_s"], f" (heal failed: {p.record['heal_error']})" if "heal_error" in p.record
+                 else "")
+        self._emit("healed", p.record)
+        self._finish(p.record)
+
+    def _skip(self, record: dict[str, Any], reason: str) -> None:
+        record["skipped"] = reason
+        log.info("chaos: skipped %s: %s", record["fault"], reason)
+        self._emit("skipped", record)
+        self._finish(record)
+
+    def _emit(self, what: str, record: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(what, dict(record))
+
+    def _finish(self, record: dict[str, Any]) -> None:
+        """The record is final: append it to the event log."""
+        if self.event_log is None:
+            return
+        with open(self.event_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
