@@ -13,6 +13,8 @@ from typing import Optional
 
 import psutil
 
+from elastictrain.runtime.warmstart import assigned_rank
+
 WORKER_MODULE = "elastictrain.recipes.lm"
 
 
@@ -26,8 +28,10 @@ def worker_pids(launcher_pid: int, module: str = WORKER_MODULE) -> dict[int, int
     for p in children:
         try:
             if module in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                out[int(p.environ()["RANK"])] = p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+                rank = assigned_rank(p.pid, p.environ())  # an idle pre-warmed spare has none yet
+                if rank is not None:
+                    out[rank] = p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
             continue
     return out
 
@@ -43,10 +47,20 @@ def signal_worker(launcher_pid: int, sig: signal.Signals, rank: Optional[int] = 
 
 
 def kill_node(launcher_pid: int) -> list[int]:
-    """SIGKILL a whole node: the launcher's process group and every worker below it (power-off-like)."""
+    """SIGKILL a whole node: the launcher's process group and every process below it (power-off-like).
+
+    The group is signalled only when the launcher leads it: a launcher started from a shell without a session of
+    its own shares the shell's group (and maybe ours), which must survive."""
     victims = list(worker_pids(launcher_pid).values())
     try:
-        os.killpg(os.getpgid(launcher_pid), signal.SIGKILL)
+        victims += [p.pid for p in psutil.Process(launcher_pid).children(recursive=True) if p.pid not in victims]
+    except psutil.NoSuchProcess:
+        pass
+    try:
+        if os.getpgid(launcher_pid) == launcher_pid:
+            os.killpg(launcher_pid, signal.SIGKILL)
+        else:
+            os.kill(launcher_pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     for pid in victims:

@@ -13,7 +13,8 @@ Each fault yields one record (also appended as a JSON line to the event log)::
      "fired_at_s": 12.3, "fired_step": 8, "healed_at_s": 15.3, "skipped": null}
 
 ``skipped`` holds the reason a fault did not fire (the target cannot inject it, the job finished first, no live
-node); ``heal_error`` is added when undoing the fault failed.
+node); ``heal_detail`` is added when the heal said what it did (e.g. the re-launched agent's pid), ``heal_error``
+when undoing the fault failed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Injected:
     fault: Fault
     node: Optional[str]
     detail: str
-    heal: Optional[Callable[[], None]]
+    heal: Optional[Callable[[], Optional[str]]]
+    """Undoes the fault; may return a line saying what it did (recorded as ``heal_detail``)."""
 
 
 class ChaosTarget(Protocol):
@@ -75,7 +77,7 @@ class _Pending:
 
     due: float
     record: dict[str, Any]
-    heal: Callable[[], None]
+    heal: Callable[[], Optional[str]]
 
 
 class ChaosRunner:
@@ -224,14 +226,18 @@ class ChaosRunner:
 
     def _heal(self, p: _Pending, now: Callable[[], float]) -> None:
         try:
-            p.heal()
+            said = p.heal()
+            if said:
+                p.record["heal_detail"] = said
         except Exception as e:  # keep healing the others; the record says what could not be undone
             log.exception("chaos: healing %s failed", p.record["fault"])
             p.record["heal_error"] = f"{type(e).__name__}: {e}"
         p.record["healed_at_s"] = round(now(), 3)
+        said = p.record.get("heal_detail") or ""
+        if "heal_error" in p.record:
+            said = f"heal failed: {p.record['heal_error']}"
         log.info("chaos: healed %s on %s at %.1fs%s", p.record["fault"], p.record["node"] or "-",
-                 p.record["healed_at_s"], f" (heal failed: {p.record['heal_error']})" if "heal_error" in p.record
-                 else "")
+                 p.record["healed_at_s"], f": {said}" if said else "")
         self._emit("healed", p.record)
         self._finish(p.record)
 

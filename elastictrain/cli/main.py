@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-from elastictrain.cli import ckpt, control, dashboard, events, status
+from elastictrain.cli import chaos, ckpt, control, dashboard, events, status
 from elastictrain.errors import ElastictrainError
 
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     control.register(sub)
     control.register_ckpt_now(ckpt.register(sub))
     dashboard.register(sub)
+    chaos.register(sub)
     return p
 
 

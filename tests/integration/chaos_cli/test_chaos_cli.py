@@ -1,0 +1,101 @@
+"""`elastictrain chaos` against a live 2-node localhost job (real etcd): a scripted schedule, then the outcome.
+
+The schedule kills a worker, kills a whole node (its agent is re-launched by the heal with the same command and
+re-joins), corrupts the newest committed checkpoint and kills a worker again so that the next load has to reject
+it. Asserted: the chaos command exits 0 with one event record per fault, the job finishes with every step of the
+committed history consuming exactly the samples of an uninterrupted run, the re-launched agent joined and
+finished the job, and the corrupted checkpoint was skipped, never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastictrain.agent.status import read_events, read_nodes
+from elastictrain.chaos.faults import kill_node
+from elastictrain.chaos.injectors import is_gone, wait_gone
+from elastictrain.checkpoint.manifest import step_dir_name
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.audit import committed_timeline
+from tests.chaos.cluster import STEPS, Job, expected_samples
+from tests.integration.recipe_runs import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+SCHEDULE = "kill-worker@step=3, kill-node@step=6/2s, corrupt-checkpoint@step=13, kill-worker"
+
+
+def _etcd_state(job: Job):
+    client = EtcdClient(EtcdSettings.from_conf(job.endpoint, job.run_id, {}))
+    client.connect()
+    try:
+        prefix = EtcdSettings.from_conf(job.endpoint, job.run_id, {}).run_prefix
+        return read_nodes(client, prefix), read_events(client, prefix)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def job(tmp_path, etcd, run_id):
+    j = Job(tmp_path, etcd.endpoint, run_id)
+    yield j
+    j.teardown()
+
+
+def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(job, tmp_path):
+    a, b = job.start_node("a"), job.start_node("b")
+    job.wait_for_step(1, world_size=2)
+    event_log = tmp_path / "chaos-events.jsonl"
+    cmd = [sys.executable, "-m", "elastictrain.cli.main", "chaos", "--rdzv-endpoint", job.endpoint,
+           "--rdzv-id", job.run_id, "--schedule", SCHEDULE, "--seed", "1", "--event-log", str(event_log),
+           "--timeout", "240"]
+    chaos = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    relaunched: list[int] = []
+    try:
+        out, _ = chaos.communicate(timeout=300)
+        print(out)  # shown by pytest on failure (or with -rP): one line per fault fired, healed or skipped
+        records = [json.loads(line) for line in event_log.read_text().splitlines()]
+        for r in records:
+            m = re.search(r"re-launched agent as pid (\d+)", r.get("heal_detail") or "")
+            if m:
+                relaunched.append(int(m.group(1)))
+        assert chaos.returncode == 0, out + job.logs()
+        assert sorted(r["fault"] for r in records) == sorted(f.strip() for f in SCHEDULE.split(",")), out
+        assert all(r["skipped"] is None for r in records), out
+        assert len(relaunched) == 1, f"the killed node's agent must be re-launched\n{out}"
+
+        job.wait([a, b])  # the killed one's exit is SIGKILL's; the other finishes the job
+        assert wait_gone(relaunched[0], 240), f"re-launched agent did not finish\n{out}\n{job.logs()}"
+        summary = job.summary()
+        assert summary["final_step"] == STEPS, job.logs()
+        assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+            "every step must consume exactly the samples of an uninterrupted run, once"
+
+        nodes, events = _etcd_state(job)
+        back = [n for n in nodes if n.agent_pid == relaunched[0]]
+        assert back and back[0].state == "succeeded", f"re-launched agent must re-join and finish: {nodes}"
+        assert any(e.kind == "join" and e.node == back[0].node for e in events)
+
+        corrupt = next(r for r in records if r["kind"] == "corrupt-checkpoint")
+        bad_step = int(re.search(r"\(step (\d+)\)", corrupt["detail"]).group(1))
+        bad_dir = step_dir_name(bad_step)
+        logs = job.logs() + "".join(open(p, errors="replace").read() for p in {n.log_path for n in job.nodes})
+        loads = re.findall(r"resumed from \S+/(step-\d+) \(step", logs)
+        assert bad_dir not in loads, f"the corrupted checkpoint {bad_dir} was loaded: {loads}"
+        assert re.search(rf"skipping checkpoint \S+/{bad_dir}: .*sha256 mismatch", logs), \
+            f"the load after the corruption must reject {bad_dir} by checksum\n{out}"
+    finally:
+        if chaos.poll() is None:
+            chaos.kill()
+            chaos.wait()
+        for pid in relaunched:
+            if not is_gone(pid):
+                kill_node(pid)
+                wait_gone(pid, 30)
