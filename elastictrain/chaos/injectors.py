@@ -276,10 +276,12 @@ def _umount(path: str) -> None:
         subprocess.run(["umount", "-l", path], check=True, capture_output=True)
 
 
-def _directory(path: str) -> str:
-    path = os.path.abspath(path.removeprefix("file://"))
+def _directory(url: str) -> str:
+    """The local directory of a checkpoint URL (a path or file://); UnsupportedFault for object stores."""
+    path = url.removeprefix("file://")
     if "://" in path:
-        raise UnsupportedFault(f"{path} is not a directory")
+        raise UnsupportedFault(f"{url} is not a directory; directory storage faults need a path or file:// URL")
+    path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     return path
 
