@@ -202,7 +202,11 @@ def _measure(job: Job, fault_at: float, before: Completed, timeout: float, world
     if after is None:
         return {"recovered": False, "recovery_s": None, "steps_lost": None,
                 "note": f"no step by a new group within {timeout:.0f} s (not detected / not recovered)"}
-    done = job.watch.snapshot()
+    return recovery_stats(job.watch.snapshot(), fault_at, after)
+
+
+def recovery_stats(done: list[Completed], fault_at: float, after: Completed) -> dict:
+    """Seconds from a fault to `after` (the first step of the group launched after it) and the steps it lost."""
     first = min((c for c in done if c.seq == after.seq), key=lambda c: c.step)
     # the furthest any earlier group got; the new group starts again from its checkpoint
     reached = max(c.step for c in done if c.seq < after.seq)
