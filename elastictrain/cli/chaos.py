@@ -9,14 +9,14 @@ such job), 130 when interrupted (faults in place are healed first).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from elastictrain.chaos.schedule import DEFAULT_DURATIONS, KINDS, NODE_KINDS, Schedule
 from elastictrain.cli import target as tgt
+from elastictrain.cli.ckpt import parse_storage_options
 from elastictrain.errors import ConfigError
 
 
@@ -69,19 +69,6 @@ def _line(what: str, r: dict[str, Any]) -> str:
     return f"{stamp} +{r['healed_at_s']:.1f}s healed {r['fault']}{node}: {said}"
 
 
-def _storage_options(text: Optional[str]) -> Optional[dict[str, Any]]:
-    if text is None:
-        return None
-    try:
-        opts = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--storage-options: not JSON ({e}); e.g. '{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'"
-                          ) from None
-    if not isinstance(opts, dict):
-        raise ConfigError("--storage-options must be a JSON object, e.g. '{\"anon\": false}'")
-    return opts
-
-
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from elastictrain.chaos.local import LocalOptions, LocalTarget
     from elastictrain.chaos.runner import ChaosRunner
@@ -90,7 +77,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("\n".join(plan_lines(schedule)))
         return 0
-    options = LocalOptions(checkpoint_url=args.checkpoint_url, storage_options=_storage_options(args.storage_options),
+    options = LocalOptions(checkpoint_url=args.checkpoint_url,
+                           storage_options=parse_storage_options(args.storage_option) or None,
                            etcd_pid=args.etcd_pid, etcd_restart_cmd=args.etcd_restart_cmd,
                            s3_server_pid=args.s3_server_pid, relaunch_log=args.relaunch_log)
     job = tgt.connect(args)
@@ -144,7 +132,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     f = p.add_argument_group("what some faults need")
     f.add_argument("--checkpoint-url", default=None,
                    help="checkpoint storage for storage-*/corrupt-checkpoint (default: the job's published URL)")
-    f.add_argument("--storage-options", default=None, metavar="JSON", help="fsspec options of an s3:// URL")
+    f.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec/s3fs option of an s3:// checkpoint URL, as for `elastictrain ckpt` (repeatable; "
+                        "default: the job config's checkpoint.storage_options)")
     f.add_argument("--etcd-restart-cmd", default=None, metavar="CMD",
                    help="shell command that starts the job's etcd again with its data (needed by restart-etcd)")
     f.add_argument("--etcd-pid", type=int, default=None,
