@@ -174,18 +174,10 @@ def kill_worker(agent_pid: int, rank: Optional[int] = None, rng: Optional[random
 
 
 def stop_worker(agent_pid: int, rank: Optional[int] = None, rng: Optional[random.Random] = None) -> Result:
-    """SIGSTOP one worker (a hang); heal: SIGCONT, if the agent has not killed it meanwhile."""
+    """SIGSTOP one worker (a hang); heal: SIGCONT, if the agent has not replaced it meanwhile."""
     rank, pid = choose_worker(agent_pid, rank, rng)
-    os.kill(pid, signal.SIGSTOP)
-
-    def heal() -> str:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            return f"worker pid {pid} is gone (the agent replaced it)"
-        return f"SIGCONT worker pid {pid}"
-
-    return f"SIGSTOP worker pid {pid} (rank {rank})", heal
+    detail, heal = stall_process(pid, what="worker")
+    return f"{detail} (rank {rank})", heal
 
 
 def kill_node(agent_pid: int, *, log_path: Optional[str] = None, relaunch: bool = True,
@@ -244,7 +236,7 @@ def restart_server(pid: int, restart: Optional[Heal] = None, *, sig: signal.Sign
 
 
 def stall_process(pid: int, what: str = "server") -> Result:
-    """SIGSTOP a server (it accepts connections but never answers); heal: SIGCONT."""
+    """SIGSTOP a process (a server then accepts connections but never answers; a worker hangs); heal: SIGCONT."""
     try:
         os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:

@@ -32,11 +32,11 @@ SCHEDULE = "kill-worker@step=3, kill-node@step=6/2s, corrupt-checkpoint@step=13,
 
 
 def _etcd_state(job: Job):
-    client = EtcdClient(EtcdSettings.from_conf(job.endpoint, job.run_id, {}))
+    settings = EtcdSettings.from_conf(job.endpoint, job.run_id, {})
+    client = EtcdClient(settings)
     client.connect()
     try:
-        prefix = EtcdSettings.from_conf(job.endpoint, job.run_id, {}).run_prefix
-        return read_nodes(client, prefix), read_events(client, prefix)
+        return read_nodes(client, settings.run_prefix), read_events(client, settings.run_prefix)
     finally:
         client.close()
 
