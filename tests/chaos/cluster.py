@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from elastictrain.chaos.faults import kill_node, worker_pids
 from elastictrain.checkpoint.discovery import list_checkpoints
@@ -64,10 +64,16 @@ class Job:
     """The nodes of one run id against one etcd, a shared output and checkpoint directory."""
 
     def __init__(self, tmp: Path, endpoint: str, run_id: str, *, steps: int = STEPS, max_restarts: int = 10,
-                 extra_overrides: tuple[str, ...] = ()):
+                 extra_overrides: tuple[str, ...] = (), nnodes: str = "1:2", ckpt_url: Optional[str] = None,
+                 ckpt_view: Optional[str] = None):
+        """`ckpt_url`: where the job checkpoints (default: a directory under `tmp`); `ckpt_view`: where this
+        process reads those checkpoints when it cannot reach `ckpt_url` itself (e.g. the backing directory of an
+        S3 server inside a network namespace)."""
         self.out, self.endpoint, self.run_id = tmp / "out", endpoint, run_id
         self.out.mkdir(parents=True, exist_ok=True)
-        self.ckpt_url = str(self.out / "ckpt")
+        self.ckpt_url = ckpt_url or str(self.out / "ckpt")
+        self.ckpt_view = ckpt_view or self.ckpt_url
+        self.nnodes = nnodes
         self.overrides = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.ckpt_url}",
                           "checkpoint.every_steps=4", "checkpoint.keep_last=1000", f"train.steps={steps}",
                           "train.audit_samples=true", "train.param_digest=true", *extra_overrides]
@@ -78,13 +84,16 @@ class Job:
         cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml")]
         for o in self.overrides:
             cmd += ["--set", o]
-        return cmd + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+        return cmd + ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
                       "--rdzv-id", self.run_id, "--max-restarts", str(self.max_restarts),
                       "--heartbeat-timeout", str(HANG_FLOOR_S)]
 
-    def start_node(self, name: str, env: Optional[dict[str, str]] = None) -> Node:
-        """Start (or re-join: the same command again) one node."""
-        node = Node(name, self.command(), {**worker_env(), **(env or {})}, self.out / f"agent-{name}.log")
+    def start_node(self, name: str, env: Optional[dict[str, str]] = None, prefix: Sequence[str] = (),
+                   args: Sequence[str] = ()) -> Node:
+        """Start (or re-join: the same command again) one node; `prefix` wraps the command (`ip netns exec NS`),
+        `args` are extra agent flags of this node (`--local-addr`)."""
+        cmd = [*prefix, *self.command(), *args]
+        node = Node(name, cmd, {**worker_env(), **(env or {})}, self.out / f"agent-{name}.log")
         self.nodes.append(node)
         return node
 
@@ -133,7 +142,7 @@ class Job:
         return json.loads((self.out / "summary.json").read_text())
 
     def valid_checkpoints(self) -> set[int]:
-        return {c.step for c in list_checkpoints(open_storage(self.ckpt_url)) if c.valid}
+        return {c.step for c in list_checkpoints(open_storage(self.ckpt_view)) if c.valid}
 
     def committed(self) -> dict[int, dict]:
         """step -> {"world_size", "samples"} from the newest launch that ran it (the history the model saw)."""

@@ -1,0 +1,226 @@
+"""Chaos on three simulated hosts in network namespaces under a seeded schedule of mixed faults.
+
+Each host runs `elastictrain run` in its own namespace, etcd and the S3 server (checkpoints) in namespaces of
+their own (`tests.chaos.netns.Fabric`, which follows the network safety rule). A scripted schedule of 12 faults of
+9 kinds (nodes and ranks picked by the schedule's seeded RNG) is driven by `ChaosRunner` through `NetnsTarget`;
+every killed, drained or partitioned host comes back. The job runs with `--nnodes 3:3`, so every step runs on 3
+ranks, the world size of the uninterrupted reference: the final parameters must be bitwise the reference's.
+
+Asserted: the job finishes; every committed step consumed exactly the samples of an uninterrupted run (exactly
+once); bitwise final parameters and losses; every checkpoint seen COMMITTED during the run is still valid at the
+end (retention keeps all: keep_last is high) unless the test corrupted it; no resume loaded a corrupted or
+uncommitted checkpoint, and the corrupted one was skipped by the resume that followed it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from elastictrain.chaos.runner import ChaosRunner
+from elastictrain.chaos.schedule import Schedule
+from elastictrain.checkpoint.discovery import list_checkpoints, verify_files
+from elastictrain.checkpoint.storage import open_storage
+from elastictrain.rendezvous.embedded import EmbeddedEtcd
+from elastictrain.runtime.audit import committed_timeline
+from tests.chaos.cluster import Job, expected_samples
+from tests.chaos.netns import Fabric, NetnsS3Server, netns_unavailable
+from tests.chaos.netns_target import NetnsTarget
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable())),
+]
+
+HOSTS = ["node1", "node2", "node3"]
+NNODES = "3:3"
+STEPS = 150
+SEED = 20261202
+BUCKET = "chaos"
+# Faults fire once the job has newly completed a step (progress between faults, whatever the machine's speed);
+# the corrupted checkpoint is followed at once by a worker kill, so the restart must skip it.
+SCHEDULE = """
+kill-worker@step=10
+restart-etcd@step=20/3s
+stop-worker@step=30/8s
+storage-down@step=42/8s
+corrupt-checkpoint@step=54
+kill-worker
+partition@step=66/10s
+kill-node@step=78/3s
+storage-stall@step=90/5s
+drain-node@step=102/3s
+kill-worker@step=114
+restart-etcd@step=126/2s
+"""
+MUST_FIRE = {"partition", "kill-node", "kill-worker", "stop-worker", "restart-etcd", "storage-down",
+             "corrupt-checkpoint"}
+
+
+@dataclass
+class World:
+    fabric: Fabric
+    etcd: EmbeddedEtcd
+    s3: NetnsS3Server
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Iterator[World]:
+    fabric = Fabric(HOSTS, services=["etcd", "s3"])
+    etcd = s3 = None
+    try:
+        fabric.up()
+        etcd = EmbeddedEtcd(host=fabric.addr["etcd"], port=2379, peer_port=2380, command_prefix=fabric.prefix("etcd"))
+        etcd.start()
+        s3 = NetnsS3Server(fabric, "s3", root=str(tmp_path_factory.mktemp("s3")))
+        s3.make_bucket(BUCKET)
+        s3.start()
+        yield World(fabric, etcd, s3)
+    finally:
+        if s3 is not None:
+            s3.close()
+        if etcd is not None:
+            etcd.close()
+        fabric.down()
+
+
+def make_job(world: World, tmp: Path, name: str) -> tuple[Job, NetnsTarget]:
+    prefix = f"{name}-{uuid.uuid4().hex[:6]}"
+    job = Job(tmp, world.etcd.endpoint, prefix, steps=STEPS, max_restarts=100, nnodes=NNODES,
+              ckpt_url=f"s3://{BUCKET}/{prefix}", ckpt_view=str(world.s3.bucket_dir(BUCKET) / prefix),
+              extra_overrides=("logging.json=true",))
+    # Explicit endpoint and credentials (the namespace's S3 server), no instance metadata lookups.
+    env = {**world.s3.env(), "GLOO_SOCKET_IFNAME": "eth0"}
+    return job, NetnsTarget(world.fabric, job, world.etcd, world.s3, env, STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference(world: World, tmp_path_factory) -> dict:
+    """An uninterrupted run of the same job on the same three hosts."""
+    job, target = make_job(world, tmp_path_factory.mktemp("reference"), "ref")
+    try:
+        nodes = target.start_all()
+        assert job.wait(nodes, timeout=400) == [0, 0, 0], job.logs()
+        summary = job.summary()
+        assert summary["world_size"] == 3 and summary["start_step"] == 0 and summary["final_step"] == STEPS
+        return summary
+    finally:
+        job.teardown()
+
+
+def worker_logs(job: Job) -> list[dict]:
+    """The workers' JSON log records (logging.json=true) from every host's log, oldest first."""
+    out = []
+    for path in sorted(job.out.glob("agent-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            start = line.find('{"t"')
+            if start < 0:
+                continue
+            try:
+                out.append(json.loads(line[start:]))
+            except json.JSONDecodeError:
+                continue
+    return sorted(out, key=lambda r: r["t"])
+
+
+def _step_of(text: str) -> int:
+    found = re.search(r"step-(\d+)", text)
+    assert found, text
+    return int(found.group(1))
+
+
+class CommittedWatch:
+    """Polls the bucket (through its backing directory) and remembers every checkpoint seen COMMITTED."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.seen = job, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.seen |= self.job.valid_checkpoints()
+            except (OSError, ValueError):  # a directory changing under the listing
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.seen |= self.job.valid_checkpoints()
+
+
+def verified_checkpoints(job: Job) -> set[int]:
+    """Steps of the checkpoints that are valid and whose every file matches its manifest checksum."""
+    storage = open_storage(job.ckpt_view)
+    return {c.step for c in list_checkpoints(storage) if c.valid and not verify_files(storage, c)}
+
+
+def test_three_hosts_survive_a_seeded_schedule_of_mixed_faults(world, reference, tmp_path, record_property):
+    job, target = make_job(world, tmp_path, "chaos")
+    schedule = Schedule.parse(SCHEDULE, seed=SEED)
+    runner = ChaosRunner(schedule, target, event_log=str(tmp_path / "chaos-events.jsonl"))
+    records: list[dict] = []
+    t0 = time.monotonic()
+    try:
+        target.start_all()
+        watch = CommittedWatch(job)
+        try:
+            records = runner.run(timeout=900)
+            codes = job.wait(list(target.current.values()), timeout=400)
+        finally:
+            watch.stop()
+        record_property("chaos_run_s", round(time.monotonic() - t0, 1))
+        record_property("faults", [f"{r['fault']} -> {r['node'] or '-'}: {r['detail'] or r['skipped']}"
+                                   for r in records])
+        assert codes == [0, 0, 0], "every host finishes\n" + job.logs()
+        check_outcome(job, target, reference, records, watch.seen)
+    except AssertionError:
+        print("chaos runner records:\n" + "\n".join(json.dumps(r) for r in records))
+        raise
+    finally:
+        job.teardown()
+
+
+def check_outcome(job: Job, target: NetnsTarget, reference: dict, records: list[dict], seen: set[int]) -> None:
+    fired = [r for r in records if r["skipped"] is None]
+    assert len(fired) >= 10 and MUST_FIRE <= {r["kind"] for r in fired}, "the schedule ran its faults"
+    assert not [r for r in records if "heal_error" in r], "every fault was healed"
+
+    summary = job.summary()
+    assert summary["final_step"] == STEPS
+    assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+        "every step must consume exactly the samples of an uninterrupted run, once"
+
+    sizes = {s: c["world_size"] for s, c in job.committed().items()}
+    assert set(sizes.values()) == {reference["world_size"]}, f"--nnodes {NNODES}: every step ran on 3 ranks"
+    assert summary["param_digest"] == reference["param_digest"], "same world size: must be bitwise identical"
+    for step, loss in summary["losses"].items():  # the final launch's steps
+        assert loss == reference["losses"][step], step
+
+    corrupted = {c.step for c in target.corrupted}
+    lost = seen - verified_checkpoints(job) - corrupted
+    assert not lost, f"checkpoints seen COMMITTED and lost or invalid at the end: {sorted(lost)}"
+
+    logs = worker_logs(job)
+    resumes = [(r["t"], _step_of(r["msg"])) for r in logs if r["msg"].startswith("resumed from ")]
+    skips = [(r["t"], _step_of(r["msg"])) for r in logs if r["msg"].startswith("skipping checkpoint ")]
+    saves = [(r["t"], int(m.group(1))) for r in logs if (m := re.match(r"checkpoint step (\d+) saved", r["msg"]))]
+    assert resumes, "the faults made the job resume from checkpoints"
+    for t, step in resumes:
+        assert step in seen, f"resumed from step {step}, never seen COMMITTED"
+        for c in target.corrupted:
+            resaved = any(c.time < ts < t and s == step for ts, s in saves)
+            assert not (c.step == step and c.time < t and not resaved), f"loaded corrupted checkpoint {step}"
+    for c in target.corrupted:
+        assert any(s == c.step and t > c.time for t, s in skips), f"the corrupted step {c.step} was never rejected"
