@@ -105,7 +105,7 @@ class LocalTarget:
         for name, n in self._live().items():
             if self._local(n):
                 out.append(name)
-            elif name not in self._told_remote:
+            elif n.host != self.hostname and name not in self._told_remote:
                 self._told_remote.add(name)
                 log.warning("chaos: node %s runs on host %s, not here (%s): it cannot be targeted from this machine",
                             name, n.host, self.hostname)

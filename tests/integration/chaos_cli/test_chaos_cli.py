@@ -13,22 +13,27 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from elastictrain.agent.status import read_events, read_nodes
 from elastictrain.chaos.faults import kill_node
 from elastictrain.chaos.injectors import is_gone, wait_gone
+from elastictrain.chaos.schedule import Fault
 from elastictrain.checkpoint.manifest import step_dir_name
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.audit import committed_timeline
-from tests.chaos.cluster import STEPS, Job, expected_samples
+from tests.chaos.cluster import Job, expected_samples
 from tests.integration.recipe_runs import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-SCHEDULE = "kill-worker@step=3, kill-node@step=6/2s, corrupt-checkpoint@step=13, kill-worker"
+# Steps take ~0.1 s and agents publish their step every 2 s: triggers are spaced by far more than that lag, and the
+# job is long enough for the re-launched node to re-join before it ends.
+STEPS = 140
+SCHEDULE = "kill-worker@step=20, kill-node@step=50/2s, corrupt-checkpoint@step=100, kill-worker"
 
 
 def _etcd_state(job: Job):
@@ -43,14 +48,17 @@ def _etcd_state(job: Job):
 
 @pytest.fixture
 def job(tmp_path, etcd, run_id):
-    j = Job(tmp_path, etcd.endpoint, run_id)
+    j = Job(tmp_path, etcd.endpoint, run_id, steps=STEPS, extra_overrides=("checkpoint.every_steps=10",))
     yield j
     j.teardown()
 
 
 def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(job, tmp_path):
     a, b = job.start_node("a"), job.start_node("b")
-    job.wait_for_step(1, world_size=2)
+    deadline = time.monotonic() + 120
+    while not _etcd_state(job)[0]:  # the run exists once an agent reported; the chaos command waits for the steps
+        assert time.monotonic() < deadline and a.alive(), job.logs()
+        time.sleep(0.2)
     event_log = tmp_path / "chaos-events.jsonl"
     cmd = [sys.executable, "-m", "elastictrain.cli.main", "chaos", "--rdzv-endpoint", job.endpoint,
            "--rdzv-id", job.run_id, "--schedule", SCHEDULE, "--seed", "1", "--event-log", str(event_log),
@@ -68,6 +76,9 @@ def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(jo
         assert chaos.returncode == 0, out + job.logs()
         assert sorted(r["fault"] for r in records) == sorted(f.strip() for f in SCHEDULE.split(",")), out
         assert all(r["skipped"] is None for r in records), out
+        for r in records:
+            assert r["fired_step"] is not None and r["fired_step"] < STEPS, f"fired before the job ended\n{out}"
+            assert r["fired_step"] >= (Fault.parse(r["fault"]).at_step or 0), out
         assert len(relaunched) == 1, f"the killed node's agent must be re-launched\n{out}"
 
         job.wait([a, b])  # the killed one's exit is SIGKILL's; the other finishes the job
