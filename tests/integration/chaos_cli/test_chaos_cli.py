@@ -1,10 +1,11 @@
 """`elastictrain chaos` against a live 2-node localhost job (real etcd): a scripted schedule, then the outcome.
 
 The schedule kills a worker, kills a whole node (its agent is re-launched by the heal with the same command and
-re-joins), corrupts the newest committed checkpoint and kills a worker again so that the next load has to reject
-it. Asserted: the chaos command exits 0 with one event record per fault, the job finishes with every step of the
-committed history consuming exactly the samples of an uninterrupted run, the re-launched agent joined and
-finished the job, and the corrupted checkpoint was skipped, never loaded.
+re-joins), fills the checkpoint directory for a few seconds, corrupts the newest committed checkpoint and kills a
+worker again so that the next load has to reject it. Asserted: the chaos command exits 0 with one event record per
+fault, the job finishes with every step of the committed history consuming exactly the samples of an uninterrupted
+run, the re-launched agent joined and finished the job, saves failed with ENOSPC while storage was full and
+succeeded after, and the corrupted checkpoint was skipped, never loaded.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 # Steps take ~0.1 s and agents publish their step every 2 s: triggers are spaced by far more than that lag, and the
 # job is long enough for the re-launched node to re-join before it ends.
 STEPS = 140
-SCHEDULE = "kill-worker@step=20, kill-node@step=50/2s, corrupt-checkpoint@step=100, kill-worker"
+SCHEDULE = ("kill-worker@step=20, kill-node@step=50/2s, storage-full@step=70/4s, corrupt-checkpoint@step=100, "
+            "kill-worker")
 
 
 def _etcd_state(job: Job):
@@ -101,6 +103,13 @@ def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(jo
         assert bad_dir not in loads, f"the corrupted checkpoint {bad_dir} was loaded: {loads}"
         assert re.search(rf"skipping checkpoint \S+/{bad_dir}: .*sha256 mismatch", logs), \
             f"the load after the corruption must reject {bad_dir} by checksum\n{out}"
+
+        full = [int(m) for m in re.findall(r"checkpoint step (\d+) to \S+ failed .*no space left on device", logs)]
+        assert full, f"a save during storage-full must fail with ENOSPC\n{out}"
+        saved = [int(m) for m in re.findall(r"checkpoint step (\d+) saved to", logs)]
+        assert any(s > max(full) for s in saved), "saves must succeed again once storage-full is healed"
+        with open("/proc/self/mounts") as f:
+            assert job.ckpt_url not in f.read(), "the heal must leave no mount behind"
     finally:
         if chaos.poll() is None:
             chaos.kill()
