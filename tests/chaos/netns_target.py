@@ -19,21 +19,19 @@ namespaces of their own. Faults act on real processes and links:
 from __future__ import annotations
 
 import logging
-import os
 import random
+import re
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Optional
 
-from elastictrain.chaos.faults import drain_node, worker_pids
+from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
-from elastictrain.chaos.schedule import Fault
-from elastictrain.checkpoint.discovery import list_checkpoints
-from elastictrain.checkpoint.storage import open_storage
+from elastictrain.chaos.schedule import NODE_KINDS, Fault
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from tests.chaos.cluster import Job, Node
 from tests.chaos.netns import Fabric, NetnsS3Server
@@ -41,7 +39,7 @@ from tests.chaos.netns import Fabric, NetnsS3Server
 log = logging.getLogger(__name__)
 
 WAIT_S = 90.0
-"""How long an injection waits for what it needs (a live worker, a new checkpoint) before giving up."""
+"""How long corrupt-checkpoint waits for a new commit before it corrupts the newest one there is."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,8 @@ class Corruption:
     """A checkpoint the test corrupted on purpose."""
 
     step: int
-    file: str
     time: float
+    """Wall-clock time of the corruption (worker logs carry wall-clock times)."""
 
 
 class NetnsTarget:
@@ -94,60 +92,48 @@ class NetnsTarget:
 
     def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
         kind = fault.kind
-        if kind in ("kill-worker", "stop-worker"):
-            assert node is not None
-            rank, pid = self._pick_worker(node, fault.rank, rng)
-            if kind == "kill-worker":
-                os.kill(pid, signal.SIGKILL)
-                return Injected(fault, node, f"SIGKILL worker pid {pid} (rank {rank})", None)
-            os.kill(pid, signal.SIGSTOP)
-            return Injected(fault, node, f"SIGSTOP worker pid {pid} (rank {rank})",
-                            lambda: _signal(pid, signal.SIGCONT, f"worker pid {pid}"))
-        if kind == "kill-node":
-            assert node is not None
-            victim = self._leave(node)
-            victim.kill()
-            return Injected(fault, node, f"SIGKILL agent pid {victim.pid} and its workers", lambda: self._rejoin(node))
-        if kind == "drain-node":
-            assert node is not None
-            victim = self._leave(node)
-            drain_node(victim.pid)
-            return Injected(fault, node, f"SIGTERM agent pid {victim.pid}", lambda: self._rejoin(node))
-        if kind == "partition":
-            assert node is not None
-            self._leave(node)
-            self.fabric.cut(node)
-            return Injected(fault, node, f"bridge port of {node} down", lambda: self._reconnect(node))
+        if kind in NODE_KINDS:
+            assert node is not None, f"{kind} needs a node"
+            return self._inject_node(fault, node, rng)
         if kind == "restart-etcd":
-            pid = self.etcd.pid
-            self.etcd.stop()
-            return Injected(fault, None, f"etcd pid {pid} stopped", self._restart_etcd)
-        if kind == "storage-down":
-            pid = self.s3.pid
-            self.s3.stop()
-            return Injected(fault, None, f"S3 server pid {pid} stopped", self._restart_s3)
-        if kind == "storage-stall":
-            pid = self.s3.pid
-            assert pid is not None, "the S3 server is not running"
-            os.kill(pid, signal.SIGSTOP)
-            return Injected(fault, None, f"SIGSTOP S3 server pid {pid}",
-                            lambda: _signal(pid, signal.SIGCONT, f"S3 server pid {pid}"))
-        if kind == "corrupt-checkpoint":
-            return Injected(fault, None, self._corrupt_next_checkpoint(rng), None)
-        raise UnsupportedFault(f"{kind} is not simulated in network namespaces (rclone runs as root over a plain "
-                               f"directory); use the local target")
+            assert self.etcd.pid is not None, "etcd is not running"
+            detail, heal = injectors.restart_server(self.etcd.pid, self._restart_etcd, sig=signal.SIGTERM,
+                                                    what="etcd")
+        elif kind == "storage-down":
+            assert self.s3.pid is not None, "the S3 server is not running"
+            detail, heal = injectors.restart_server(self.s3.pid, self._restart_s3, sig=signal.SIGTERM,
+                                                    what="S3 server")
+        elif kind == "storage-stall":
+            assert self.s3.pid is not None, "the S3 server is not running"
+            detail, heal = injectors.stall_process(self.s3.pid, what="S3 server")
+        elif kind == "corrupt-checkpoint":
+            detail, heal = self._corrupt_next_checkpoint(rng), None
+        else:
+            raise UnsupportedFault(f"{kind} is not simulated in network namespaces (rclone runs as root over a "
+                                   f"plain directory); use the local target")
+        return Injected(fault, None, detail, heal)
+
+    def _inject_node(self, fault: Fault, host: str, rng: random.Random) -> Injected:
+        agent = self.current[host]
+        if fault.kind == "kill-worker":
+            detail, heal = injectors.kill_worker(agent.pid, fault.rank, rng)
+        elif fault.kind == "stop-worker":
+            detail, heal = injectors.stop_worker(agent.pid, fault.rank, rng)
+        elif fault.kind == "kill-node":
+            self._leave(host)
+            detail, _ = injectors.kill_node(agent.pid, relaunch=False)
+            heal = partial(self._rejoin, host)  # the host's own command, tracked as a Node (not a bare re-launch)
+        elif fault.kind == "drain-node":
+            self._leave(host)
+            detail, _ = injectors.drain_node(agent.pid, relaunch=False)
+            heal = partial(self._rejoin, host)
+        else:  # partition
+            self._leave(host)
+            self.fabric.cut(host)
+            detail, heal = f"bridge port of {host} down", partial(self._reconnect, host)
+        return Injected(fault, host, detail, heal)
 
     # --- helpers ------------------------------------------------------------------------------------------
-
-    def _pick_worker(self, host: str, rank: Optional[int], rng: random.Random) -> tuple[int, int]:
-        """(rank, pid) of a live worker of the host: `rank` if it runs there, else a seeded choice."""
-        deadline = time.monotonic() + WAIT_S
-        while not (pids := worker_pids(self.current[host].pid)):
-            if time.monotonic() > deadline or not self.current[host].alive():
-                raise RuntimeError(f"{host} has no live worker after {WAIT_S:g}s")
-            time.sleep(0.1)
-        chosen = rank if rank in pids else rng.choice(sorted(pids))
-        return chosen, pids[chosen]
 
     def _leave(self, host: str) -> Node:
         with self._lock:
@@ -185,38 +171,19 @@ class NetnsTarget:
         return f"S3 server started again as pid {self.s3.pid}"
 
     def _corrupt_next_checkpoint(self, rng: random.Random) -> str:
-        """Wait for the next COMMITTED checkpoint and flip bytes in one of its data files at once.
+        """Wait for the next COMMITTED checkpoint, then corrupt it at once (the newest committed one).
 
         Corrupting a checkpoint that was just committed leaves the job steps away from the next commit, so the
         fault that follows in the schedule (a kill) makes the job resume while the corrupted one is the newest.
         """
-        root = Path(self.job.ckpt_view)
         before = max(self.job.valid_checkpoints(), default=-1)
         deadline = time.monotonic() + WAIT_S
-        while (newest := max(self.job.valid_checkpoints(), default=-1)) <= before:
+        while max(self.job.valid_checkpoints(), default=-1) <= before:
             if time.monotonic() > deadline or self.finished():
-                if newest < 0:
-                    raise RuntimeError("no committed checkpoint to corrupt")
                 break
             time.sleep(0.02)
-        info = next(c for c in list_checkpoints(open_storage(str(root))) if c.step == newest)
-        data = sorted(p for p in (root / info.dirname).iterdir() if p.suffix == ".distcp")
-        target = rng.choice(data)
-        with open(target, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(size // 2)
-            chunk = f.read(16)
-            f.seek(size // 2)
-            f.write(bytes(b ^ 0xFF for b in chunk))
-            f.flush()
-            os.fsync(f.fileno())
-        self.corrupted.append(Corruption(newest, str(target), time.time()))
-        return f"flipped {len(chunk)} bytes at offset {size // 2} of {target.name} in step {newest}"
-
-
-def _signal(pid: int, sig: signal.Signals, what: str) -> str:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:  # e.g. the agent already killed the stopped worker
-        return f"{what} was already gone"
-    return f"{sig.name} {what}"
+        detail, _ = injectors.corrupt_checkpoint(self.job.ckpt_view, rng=rng)
+        found = re.search(r"\(step (\d+)\)$", detail)
+        assert found, detail
+        self.corrupted.append(Corruption(int(found.group(1)), time.time()))
+        return detail
