@@ -137,6 +137,9 @@ class ElasticConfig:
     join_grace_s: float = 10.0
     """How long survivors wait for a failed node to come back before re-forming without it."""
     rdzv_timeout_s: float = 120.0
+    warm_spares: bool = True
+    """Keep one pre-warmed spare worker per local rank (about 350 MB of host memory each) so that a restart
+    does not wait for Python, torch and the model code to import."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import psutil
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -29,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
+from elastictrain.agent.warm import WarmPool
 from elastictrain.errors import AgentError
 from elastictrain.runtime.exitcodes import EXIT_REFORM
 from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
@@ -116,6 +118,7 @@ class ElasticAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
         clock: Callable[[], float] = time.monotonic,
+        warm_spares: bool = True,
     ):
         super().__init__(spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout,
                          log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
@@ -128,6 +131,11 @@ class ElasticAgent(LocalElasticAgent):
         self._reform = False
         self._last_cause = ""
         self._hostname = socket.gethostname()
+        self._warm: WarmPool | None = None
+        self._refill = False
+        if isinstance(spec.entrypoint, str) and spec.numa_options is None:
+            # Also without spares: the pool's process context stops a crashed group's survivors fast.
+            self._warm = WarmPool(spec.entrypoint, spec.args, spec.local_world_size if warm_spares else 0)
         if spec.monitor_interval > MAX_MONITOR_INTERVAL_S:
             log.warning("monitor interval %.2fs is above %.1fs: worker exits will be noticed late",
                         spec.monitor_interval, MAX_MONITOR_INTERVAL_S)
@@ -145,6 +153,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self._ensure_channel()
+        if self._warm is not None:
+            self._warm.fill()  # the spares import while we rendezvous, then become the first workers
         outcome = "unknown"
         try:
             result = super().run(role)
@@ -161,6 +171,8 @@ class ElasticAgent(LocalElasticAgent):
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
+            if self._warm is not None:
+                self._warm.close()
 
     def _ensure_channel(self) -> _HeartbeatChannel:
         if self._channel is None:
@@ -175,9 +187,30 @@ class ElasticAgent(LocalElasticAgent):
         os.environ[ENV_AGENT_PID] = str(os.getpid())
         channel.drain()
         self._pending_hang = []
-        pids = super()._start_workers(worker_group)
+        if self._warm is None:
+            pids = super()._start_workers(worker_group)
+        else:
+            # torch builds each worker's environment and log files, then calls start_processes: serve that
+            # call from the pool rather than copy torch's environment construction.
+            cold_start = local_elastic_agent.start_processes
+            local_elastic_agent.start_processes = self._warm.start_processes
+            try:
+                pids = super()._start_workers(worker_group)
+            finally:
+                local_elastic_agent.start_processes = cold_start
+            self._refill = True
         self._health.reset(pids, self._clock())
+        if self._warm is not None:
+            log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
+                     self._warm.cold)
         return pids
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
+        super()._rendezvous(worker_group)
+        log.info("rendezvous complete in %.2fs: node %d of %d, world size %d", time.monotonic() - started,
+                 worker_group.group_rank, worker_group.group_world_size,
+                 worker_group.workers[0].world_size if worker_group.workers else 0)
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         super()._initialize_workers(worker_group)
@@ -233,6 +266,9 @@ class ElasticAgent(LocalElasticAgent):
                 for beat in self._channel.drain():
                     self._health.record(beat, now)
             hangs = self._health.check(now)
+            if self._refill and self._warm is not None and self._group_training():
+                self._refill = False
+                self._warm.fill()
             if hangs:
                 running = self._running_local_ranks()
                 hangs = [h for h in hangs if h.local_rank in running]
@@ -251,6 +287,11 @@ class ElasticAgent(LocalElasticAgent):
         elif result.state == WorkerState.SUCCEEDED:
             self._emit("succeeded")
         return result
+
+    def _group_training(self) -> bool:
+        """Every local worker has reported a training step: the group's start-up is over."""
+        workers = self._health.workers.values()
+        return bool(workers) and all(w.step is not None and w.phase in ("train", "save") for w in workers)
 
     def _hang_result(self, worker_group: WorkerGroup, hangs: list[Hang]) -> RunResult:
         states = {h.pid: _process_state(h.pid) for h in hangs}

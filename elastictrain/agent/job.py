@@ -58,6 +58,8 @@ def torchrun_argv(cfg: JobConfig, config_path: str, overrides: Sequence[str], us
     argv = [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--nproc-per-node={e.nproc_per_node}",
             f"--max-restarts={e.max_restarts}", "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={e.run_id}", f"--heartbeat-timeout={e.heartbeat_timeout_s}"]
+    if not e.warm_spares:
+        argv.append("--no-warm-spares")
     if not _flag_given(user_argv, "--rdzv-conf", "--rdzv_conf"):
         argv.append(f"--rdzv-conf=lease_ttl={e.lease_ttl_s:g},last_call_timeout={e.join_grace_s:g},"
                     f"join_timeout={e.rdzv_timeout_s:g}")
@@ -134,7 +136,7 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
         listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
         try:
             launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
-                   budget=budget, on_agent=on_agent)
+                   budget=budget, on_agent=on_agent, warm_spares=request.warm_spares)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             log.error("job failed: rank %s exited with %s: %s", rank, failure.exitcode, failure.message)

@@ -238,7 +238,9 @@ class Trainer:
         resumed_from = None
         if self.checkpointer is not None:
             self.heartbeat.beat(self.step, "load")
+            loading = time.monotonic()
             resumed_from = self.checkpointer.restore(self)
+            log.debug("checkpoint restore took %.2fs", time.monotonic() - loading)
         self.verify_consistent_start(resumed_from)
         start_step = self.step
         tokens_per_step = d.global_batch_size * d.seq_len
@@ -320,6 +322,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def prewarm(argv: list[str]) -> None:
+    """Import what `main(argv)` will need, for a pre-warmed spare worker (runtime/warmstart.py)."""
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    import elastictrain.recipes.checkpointing  # noqa: F401
+    from fsspec import get_filesystem_class
+    from fsspec.core import split_protocol
+
+    from elastictrain.recipes.model import preload
+
+    preload(cfg.model)
+    if cfg.checkpoint.url:
+        get_filesystem_class(split_protocol(cfg.checkpoint.url)[0] or "file")  # imports s3fs for s3://
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     try:
@@ -328,13 +345,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stderr.write(f"elastictrain: error: {e}\n")
         return EXIT_CONFIG
     setup_logging(cfg.logging.level, cfg.logging.json)
+    started = time.monotonic()
     control = WorkerControl.from_env()  # before the first heartbeat: the agent rings only workers that beat
     heartbeat = Heartbeat.from_env()  # ties this worker's life to its agent's
     session = Session(cfg.train).start()
     try:
         from elastictrain.recipes.checkpointing import make_checkpointer
+        pg_ready = time.monotonic()
         trainer = Trainer(cfg, session, heartbeat=heartbeat, control=control)
         trainer.checkpointer = make_checkpointer(cfg, trainer, session)
+        log.debug("worker set up in %.2fs: process group %.2fs, model and data %.2fs", time.monotonic() - started,
+                  pg_ready - started, time.monotonic() - pg_ready)
         summary = trainer.run()
         if session.is_main:
             write_summary(summary, Path(cfg.train.output_dir))

@@ -53,6 +53,13 @@ def build_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     return model
 
 
+def preload(cfg: ModelConfig) -> None:
+    """Import the model's transformers classes now (seconds of lazy imports), without building it."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM._model_mapping[type(build_config(cfg))]
+
+
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks: the largest ModuleList (llama: model.layers, gpt2: transformer.h)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]

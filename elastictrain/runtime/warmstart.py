@@ -1,0 +1,140 @@
+"""A pre-warmed spare worker: imports the worker's code ahead of time, then becomes a worker when told.
+
+Most of a restart is a new worker's start-up (Python, torch, transformers, the recipe: 3-4 s on a 2-core machine),
+not the rendezvous. The agent keeps one spare per local rank, started as
+
+    python [flags] -m elastictrain.runtime.warmstart [flags] -m <module> <args...>
+
+with the worker's own command after ``warmstart``. The spare imports ``<module>`` (and calls its ``prewarm(argv)``
+when it has one), then blocks on one JSON line on stdin: ``{"env": {...}, "args": [...], "stdout": path|null,
+"stderr": path|null}``. It then takes that environment and those streams and runs the module as ``__main__``,
+exactly like ``python -m <module> <args...>`` would. End of input before an assignment means the pool closed: exit 0.
+
+The spare is the agent's child from the start, so exit codes, signals, process groups and PDEATHSIG work as for a
+worker started cold. ``/proc/<pid>/environ`` keeps the spare's start-up environment, so the agent writes the
+assigned rank to ``$ELASTICTRAIN_WARM_DIR/<pid>.rank`` for tools that look workers up by process
+(``assigned_rank``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from elastictrain.runtime.heartbeat import die_with_parent
+
+log = logging.getLogger(__name__)
+
+ENV_WARM_DIR = "ELASTICTRAIN_WARM_DIR"
+MODULE = "elastictrain.runtime.warmstart"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a worker command line runs: a module (``-m``) or a script, with its arguments."""
+
+    module: Optional[str]
+    script: Optional[str]
+    argv: list[str]
+    unbuffered: bool
+
+
+def parse_command(args: Sequence[str]) -> Target:
+    """Split ``[interpreter flags] (-m module | script) args...`` the way the interpreter would."""
+    args = list(args)
+    unbuffered = False
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "-m":
+        unbuffered |= args[i] == "-u"
+        i += 1
+    if i < len(args) and args[i] == "-m" and i + 1 < len(args):
+        return Target(module=args[i + 1], script=None, argv=args[i + 2:], unbuffered=unbuffered)
+    if i < len(args):
+        return Target(module=None, script=args[i], argv=args[i + 1:], unbuffered=unbuffered)
+    raise ValueError(f"no module or script in worker command {args!r}")
+
+
+def rank_file(warm_dir: str, pid: int) -> str:
+    return os.path.join(warm_dir, f"{pid}.rank")
+
+
+def assigned_rank(pid: int, environ: Mapping[str, str]) -> Optional[int]:
+    """The global rank a process runs as: RANK from its start-up environment, else its spare assignment."""
+    if "RANK" in environ:
+        return int(environ["RANK"])
+    warm_dir = environ.get(ENV_WARM_DIR)
+    if not warm_dir:
+        return None
+    try:
+        with open(rank_file(warm_dir, pid)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # an idle spare
+
+
+def _prewarm(target: Target) -> None:
+    if target.module is None:
+        return
+    try:
+        mod = importlib.import_module(target.module)
+        hook = getattr(mod, "prewarm", None)
+        if callable(hook):
+            hook(list(target.argv))
+    except BaseException as e:  # noqa: BLE001 - the real run reports it, in the worker's own log
+        log.debug("pre-warming %s failed (%s); the worker will import it cold", target.module, e)
+
+
+def _redirect(fd: int, path: Optional[str]) -> None:
+    if path:
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+
+
+def _become(assignment: dict[str, Any]) -> None:
+    """Take the worker's environment, streams and arguments."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(1, assignment.get("stdout"))
+    _redirect(2, assignment.get("stderr"))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parent = os.getppid()
+    die_with_parent(parent)
+    target = parse_command(sys.argv[1:] if argv is None else argv)
+    _prewarm(target)
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return 0
+    assignment = json.loads(line)
+    work = parse_command(assignment["args"])
+    _become(assignment)
+    if work.module is not None:
+        sys.argv = [work.module, *work.argv]
+        # Like `python -m`: the module runs as __main__, a copy apart from the pre-imported one (whose imports
+        # it reuses). Left in sys.modules, runpy would warn about exactly that.
+        sys.modules.pop(work.module, None)
+        runpy.run_module(work.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [work.script, *work.argv]
+        runpy.run_path(work.script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""A worker module for the warm-pool tests: `prewarm` and `main` leave files that say who ran when."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def prewarm(argv: list[str]) -> None:
+    Path(argv[0], f"prewarmed-{os.getpid()}").touch()
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    (out / f"ran-{os.getpid()}.json").write_text(json.dumps({
+        "rank": os.environ.get("RANK"), "argv": sys.argv[1:], "name": __name__,
+        "prewarmed": (out / f"prewarmed-{os.getpid()}").exists()}))
+    print(f"worker {os.environ.get('RANK')} says hello", flush=True)
+    return int(sys.argv[2]) if len(sys.argv) > 2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
