@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -38,15 +39,25 @@ log = logging.getLogger(__name__)
 Heal = Callable[[], Optional[str]]
 Result = tuple[str, Optional[Heal]]
 
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
+
 RELAUNCH_LOG_DIR = os.path.join(tempfile.gettempdir(), "elastictrain-chaos")
 """Where a re-launched process writes when its original output did not go to a file."""
 
 
 def is_gone(pid: int) -> bool:
-    """The process exited (a zombie counts: it runs nothing any more)."""
+    """The process exited and released what it held (a zombie counts once its last thread is gone).
+
+    A killed multi-threaded process (Go's rclone, etcd) is a zombie as soon as its main thread exits, while other
+    threads still hold its sockets: its port is free only when those are gone too."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return False
     except psutil.NoSuchProcess:
+        return True
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
         return True
 
 
@@ -78,6 +89,22 @@ def _netns_of(pid: int) -> Optional[str]:
             continue
     raise UnsupportedFault(f"pid {pid} runs in a network namespace without a name under /var/run/netns; "
                            f"it could not be started there again")
+
+
+def listening_pid(address: str) -> Optional[int]:
+    """The pid of the process listening on `address` ("host:port" or a URL) on this machine, else None."""
+    hostport = address.rpartition("://")[2].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not port.isdigit() or host.strip("[]") not in _LOCAL_HOSTS | {socket.gethostname()}:
+        return None
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == int(port) and c.pid:
+            return c.pid
+    return None
 
 
 @dataclass

@@ -11,8 +11,8 @@ What each kind needs here:
 - partition: not possible (every node shares this machine's loopback); use the network-namespace target.
 - restart-etcd: ``etcd_restart_cmd`` (how to start this etcd again with its data); the pid is found from the
   endpoint's port when etcd listens on this machine, else give ``etcd_pid``.
-- storage-down, storage-stall: ``s3_server_pid`` (the S3 server of an s3:// checkpoint URL); storage-down kills it and
-  starts its command again.
+- storage-down, storage-stall: the S3 server of an s3:// checkpoint URL, found from its endpoint's port when it listens
+  on this machine, else ``s3_server_pid``; storage-down kills it and starts its command again.
 - storage-readonly, storage-full: a directory checkpoint URL and permission to mount (root).
 - corrupt-checkpoint: a checkpoint URL (directory or s3:// with its storage options).
 """
@@ -28,12 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import psutil
-
 from elastictrain.agent.status import JobRecord, NodeStatus, read_job, read_nodes
 from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
 from elastictrain.chaos.schedule import Fault
+from elastictrain.checkpoint.storage import endpoint_of, resolve_options
 from elastictrain.cli.jobview import DEFAULT_STALE_AFTER_S, JobView, derive
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
@@ -41,7 +40,6 @@ from elastictrain.rendezvous.settings import EtcdSettings
 log = logging.getLogger(__name__)
 
 _LIVE_EXCLUDED = {"succeeded", "left", "failed", "gone", "lost"}
-_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
 @dataclass
@@ -158,10 +156,11 @@ class LocalTarget:
         if kind == "restart-etcd":
             detail, heal = self._restart_etcd()
         elif kind in ("storage-down", "storage-stall"):
-            pid = self.options.s3_server_pid
+            pid = self.options.s3_server_pid or self._s3_listener()
             if pid is None:
-                raise UnsupportedFault(f"{kind} needs the S3 server's pid (--s3-server-pid); for a directory "
-                                       f"checkpoint URL use storage-readonly or storage-full")
+                raise UnsupportedFault(f"{kind} needs the S3 server's pid (--s3-server-pid) when the checkpoint "
+                                       f"URL's endpoint does not listen on this machine; for a directory checkpoint "
+                                       f"URL use storage-readonly or storage-full")
             if kind == "storage-down":
                 detail, heal = injectors.restart_server(pid, None, sig=signal.SIGKILL, what="S3 server",
                                                         log_path=self.options.relaunch_log)
@@ -215,27 +214,23 @@ class LocalTarget:
         if not cmd:
             raise UnsupportedFault("restart-etcd on a live job needs --etcd-restart-cmd 'CMD' (how to start this "
                                    "etcd again with its data directory); it was not started by us")
-        pid = self.options.etcd_pid or self._etcd_listener()
+        pid = self.options.etcd_pid or injectors.listening_pid(self.settings.endpoints_str().split(",")[0])
         if pid is None:
             raise UnsupportedFault(f"no process listens on {self.settings.endpoints_str()} on this machine; pass "
                                    f"--etcd-pid")
         return injectors.restart_server(pid, injectors.shell_restart(cmd, self.options.relaunch_log),
                                         sig=signal.SIGKILL, what="etcd")
 
-    def _etcd_listener(self) -> Optional[int]:
-        """The pid listening on the (first) etcd endpoint's port, when that endpoint is this machine."""
-        endpoint = self.settings.endpoints_str().split(",")[0]
-        host, _, port = endpoint.rpartition("://")[2].rpartition(":")
-        if host.strip("[]") not in _LOCAL_HOSTS | {self.hostname} or not port.isdigit():
-            return None
+    def _s3_listener(self) -> Optional[int]:
+        """The S3 server's pid when the job's s3:// checkpoint URL has an endpoint on this machine."""
         try:
-            conns = psutil.net_connections(kind="tcp")
-        except psutil.AccessDenied:
+            url = self.checkpoint_url()
+        except UnsupportedFault:
             return None
-        for c in conns:
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == int(port) and c.pid:
-                return c.pid
-        return None
+        if not url.startswith(("s3://", "s3a://")):
+            return None
+        endpoint = endpoint_of(resolve_options(url, self.storage_options()))
+        return injectors.listening_pid(endpoint) if endpoint else None
 
     # ------------------------------------------------------------------ checkpoints
 
