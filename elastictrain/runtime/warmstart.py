@@ -64,6 +64,33 @@ def rank_file(warm_dir: str, pid: int) -> str:
     return os.path.join(warm_dir, f"{pid}.rank")
 
 
+def ready_file(warm_dir: str, pid: int) -> str:
+    return os.path.join(warm_dir, f"{pid}.ready")
+
+
+def idle_spares(launcher_pid: int) -> tuple[int, int]:
+    """(ready, total) idle spares below a launcher process: a ready one has finished its imports."""
+    import psutil
+
+    ready = total = 0
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for p in children:
+        try:
+            if MODULE not in p.cmdline() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            warm_dir = p.environ().get(ENV_WARM_DIR, "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if not warm_dir or os.path.exists(rank_file(warm_dir, p.pid)):
+            continue  # already a worker
+        total += 1
+        ready += os.path.exists(ready_file(warm_dir, p.pid))
+    return ready, total
+
+
 def assigned_rank(pid: int, environ: Mapping[str, str]) -> Optional[int]:
     """The global rank a process runs as: RANK from its start-up environment, else its spare assignment."""
     if "RANK" in environ:
@@ -118,6 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     die_with_parent(parent)
     target = parse_command(sys.argv[1:] if argv is None else argv)
     _prewarm(target)
+    warm_dir = os.environ.get(ENV_WARM_DIR)
+    if warm_dir:
+        open(ready_file(warm_dir, os.getpid()), "w").close()
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from elastictrain.agent.warm import WarmPool
-from elastictrain.runtime.warmstart import assigned_rank
+from elastictrain.runtime.warmstart import assigned_rank, idle_spares
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +42,9 @@ def test_a_spare_imports_ahead_then_runs_the_worker_as_assigned(tmp_path, in_rep
     pool = WarmPool(sys.executable, args, size=1)
     try:
         assert pool.fill() == 1
-        assert _wait(lambda: list(tmp_path.glob("prewarmed-*"))), "the spare never pre-imported the worker module"
+        assert _wait(lambda: pool.ready() == 1), "the spare never finished pre-importing the worker module"
+        assert list(tmp_path.glob("prewarmed-*"))
+        assert idle_spares(os.getpid()) == (1, 1)
         handler = pool.serve(0, args, {"RANK": "7"}, str(tmp_path / "out.log"), None)
         assert handler is not None
         assert assigned_rank(handler.proc.pid, psutil.Process(handler.proc.pid).environ()) == 7
@@ -50,6 +52,7 @@ def test_a_spare_imports_ahead_then_runs_the_worker_as_assigned(tmp_path, in_rep
         ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
         assert ran == {"rank": "7", "argv": [str(tmp_path)], "name": "__main__", "prewarmed": True}
         assert (tmp_path / "out.log").read_text() == "worker 7 says hello\n"
+        assert idle_spares(os.getpid()) == (0, 0)
         assert pool.served == 1 and pool.serve(0, args, {"RANK": "0"}, None, None) is None  # empty: start cold
     finally:
         pool.close()
