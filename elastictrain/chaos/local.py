@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 _LIVE_EXCLUDED = {"succeeded", "left", "failed", "gone", "lost"}
 
+RELAUNCH_GRACE_S = 60.0
+"""After re-launching a node, how long a job with no reporting node still counts as running (not finished)."""
+
 
 @dataclass
 class LocalOptions:
@@ -71,6 +74,7 @@ class LocalTarget:
         self._snap: Optional[tuple[float, list[NodeStatus], JobView]] = None
         self._job: Optional[JobRecord] = None
         self._relaunching = 0
+        self._relaunched_at: Optional[float] = None
         self._told_remote: set[str] = set()
 
     @property
@@ -124,7 +128,10 @@ class LocalTarget:
             return True
         _, view = self._view()
         with self._lock:
-            relaunching = self._relaunching > 0
+            # A re-launched agent needs a while (imports, rendezvous) before it reports; until then a job whose
+            # every node we killed looks dead.
+            relaunching = self._relaunching > 0 or (self._relaunched_at is not None and
+                                                    time.monotonic() - self._relaunched_at < RELAUNCH_GRACE_S)
         return bool(view.members) and view.state in ("stopped", "failed") and not relaunching
 
     def job_record(self) -> Optional[JobRecord]:
@@ -205,6 +212,7 @@ class LocalTarget:
             finally:
                 with self._lock:
                     self._relaunching -= 1
+                    self._relaunched_at = time.monotonic()
                     self._snap = None
 
         return counted

@@ -94,3 +94,13 @@ def test_directory_faults_refuse_an_s3_checkpoint_url(client):
         max_nodes=2, nproc_per_node=1, steps=10, started=0.0))).encode()
     with pytest.raises(UnsupportedFault, match="directory checkpoint URL"):
         target(client).inject(Fault("storage-readonly"), None, random.Random(0))
+
+
+def test_a_job_whose_only_node_is_being_relaunched_is_not_finished(client):
+    client.node("a", host=socket.gethostname(), pid=os.getpid(), age_s=60)  # killed: its status went stale
+    t = target(client)
+    assert t.finished(), "every node gone and none coming back: the job is over"
+    heal = t._counting_relaunch(lambda: "re-launched")
+    assert not t.finished(), "a node is being started again"
+    heal()
+    assert not t.finished(), "the re-launched agent has not reported yet"
