@@ -24,7 +24,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from elastictrain.chaos.schedule import NODE_KINDS, Fault, Schedule
@@ -80,6 +80,17 @@ class _Pending:
     heal: Callable[[], Optional[str]]
 
 
+@dataclass
+class _Run:
+    """The state of one ChaosRunner.run(): its start, how it may end, and the faults waiting for their heal."""
+
+    t0: float
+    stop: threading.Event
+    timeout: Optional[float]
+    pending: list[_Pending] = field(default_factory=list)
+    last_fire: Optional[float] = None
+
+
 class ChaosRunner:
     """Fire a schedule's faults into a target in order, heal each after its duration, log one record per fault."""
 
@@ -100,67 +111,65 @@ class ChaosRunner:
 
     def run(self, stop: Optional[threading.Event] = None, timeout: Optional[float] = None) -> list[dict]:
         """Run the whole schedule; returns one record per fault, in schedule order (see the module docstring)."""
-        stop = stop or threading.Event()
-        t0 = self.clock()
+        run = _Run(t0=self.clock(), stop=stop or threading.Event(), timeout=timeout)
         records: list[dict[str, Any]] = []
-        pending: list[_Pending] = []
-        last_fire: Optional[float] = None
-
-        def now() -> float:
-            return self.clock() - t0
-
-        def over() -> Optional[str]:
-            if stop.is_set():
-                return "the chaos run was stopped"
-            if timeout is not None and now() >= timeout:
-                return f"the chaos run timed out after {timeout:g}s"
-            if self.target.finished():
-                return "the job finished first"
-            return None
-
         try:
             for fault in self.schedule.faults:
                 record = self._record(fault)
                 records.append(record)
-                reason = self._wait_until_due(fault, last_fire, now, over, pending, stop)
+                reason = self._wait_until_due(run, fault)
                 node: Optional[str] = None
                 if reason is None and fault.kind in NODE_KINDS:
-                    node, reason = self._choose_node(fault, over, now, pending, stop)
+                    node, reason = self._choose_node(run, fault)
                 if reason is not None:
                     self._skip(record, reason)
                     continue
-                last_fire = now()
-                self._fire(fault, node, record, now, pending)
-            self._heal_due(pending, now, force_reason=None, wait=True, over=over, stop=stop)
+                run.last_fire = self._now(run)
+                self._fire(run, fault, node, record)
+            while run.pending:  # every heal before returning (at once when the run is over)
+                self._heal_due(run)
+                if run.pending:
+                    self._wait(run)
         finally:
             # Whatever went wrong above, leave no fault in place.
-            self._heal_due(pending, now, force_reason="the chaos run ended", wait=False, over=over, stop=stop)
+            self._heal_due(run, force=True)
         return records
+
+    def _now(self, run: _Run) -> float:
+        return self.clock() - run.t0
+
+    def _over(self, run: _Run) -> Optional[str]:
+        """Why the run must stop firing, or None."""
+        if run.stop.is_set():
+            return "the chaos run was stopped"
+        if run.timeout is not None and self._now(run) >= run.timeout:
+            return f"the chaos run timed out after {run.timeout:g}s"
+        if self.target.finished():
+            return "the job finished first"
+        return None
 
     def _record(self, fault: Fault) -> dict[str, Any]:
         return {"fault": fault.describe(), "kind": fault.kind, "node": None, "detail": "", "fired_at_s": None,
                 "fired_step": None, "healed_at_s": None, "skipped": None}
 
-    def _wait(self, stop: threading.Event) -> None:
+    def _wait(self, run: _Run) -> None:
         if self._sleep is not None:
             self._sleep(self.poll_s)
         else:
-            stop.wait(self.poll_s)
+            run.stop.wait(self.poll_s)
 
-    def _wait_until_due(self, fault: Fault, last_fire: Optional[float], now: Callable[[], float],
-                        over: Callable[[], Optional[str]], pending: list[_Pending],
-                        stop: threading.Event) -> Optional[str]:
-        """Wait until `fault` may fire; returns why it never will, or None."""
+    def _wait_until_due(self, run: _Run, fault: Fault) -> Optional[str]:
+        """Wait until `fault` may fire (healing what comes due meanwhile); returns why it never will, or None."""
         while True:
-            self._heal_due(pending, now, force_reason=None, wait=False, over=over, stop=stop)
-            reason = over()
+            self._heal_due(run)
+            reason = self._over(run)
             if reason is not None:
                 return reason
-            t = now()
-            gap_ok = last_fire is None or t - last_fire >= self.min_gap_s
+            t = self._now(run)
+            gap_ok = run.last_fire is None or t - run.last_fire >= self.min_gap_s
             if gap_ok and self._condition(fault, t):
                 return None
-            self._wait(stop)
+            self._wait(run)
 
     def _condition(self, fault: Fault, t: float) -> bool:
         if fault.at_time is not None:
@@ -170,8 +179,7 @@ class ChaosRunner:
             return step is not None and step >= fault.at_step
         return True
 
-    def _choose_node(self, fault: Fault, over: Callable[[], Optional[str]], now: Callable[[], float],
-                     pending: list[_Pending], stop: threading.Event) -> tuple[Optional[str], Optional[str]]:
+    def _choose_node(self, run: _Run, fault: Fault) -> tuple[Optional[str], Optional[str]]:
         """The node a node fault hits: its named target, else a seeded choice among live nodes (waits for one)."""
         if fault.target is not None:
             return fault.target, None
@@ -180,14 +188,13 @@ class ChaosRunner:
             if live:
                 return self.rng.choice(live), None
             # Every node may be down for a moment (a killed node re-launching); wait rather than skip.
-            self._heal_due(pending, now, force_reason=None, wait=False, over=over, stop=stop)
-            reason = over()
+            self._heal_due(run)
+            reason = self._over(run)
             if reason is not None:
                 return None, f"no live node to hit ({reason})"
-            self._wait(stop)
+            self._wait(run)
 
-    def _fire(self, fault: Fault, node: Optional[str], record: dict[str, Any], now: Callable[[], float],
-              pending: list[_Pending]) -> None:
+    def _fire(self, run: _Run, fault: Fault, node: Optional[str], record: dict[str, Any]) -> None:
         record["fired_step"] = self.target.step()
         try:
             injected = self.target.inject(fault, node, self.rng)
@@ -198,33 +205,26 @@ class ChaosRunner:
             log.exception("chaos: injecting %s failed", fault.describe())
             self._skip(record, f"injection failed: {type(e).__name__}: {e}")
             return
-        record.update(node=injected.node, detail=injected.detail, fired_at_s=round(now(), 3))
+        record.update(node=injected.node, detail=injected.detail, fired_at_s=round(self._now(run), 3))
         log.info("chaos: fired %s on %s at %.1fs (step %s): %s", fault.describe(), injected.node or "-",
                  record["fired_at_s"], record["fired_step"], injected.detail)
         self._emit("fired", record)
-        heal_after = fault.heal_after
         if injected.heal is None:
             self._finish(record)
             return
-        pending.append(_Pending(due=now() + (heal_after or 0.0), record=record, heal=injected.heal))
+        run.pending.append(_Pending(due=self._now(run) + (fault.heal_after or 0.0), record=record,
+                                    heal=injected.heal))
 
-    def _heal_due(self, pending: list[_Pending], now: Callable[[], float], *, force_reason: Optional[str],
-                  wait: bool, over: Callable[[], Optional[str]], stop: threading.Event) -> None:
-        """Heal the pending faults that are due; all of them at once when forced or the run is over.
+    def _heal_due(self, run: _Run, force: bool = False) -> None:
+        """Heal the pending faults that are due; all of them when forced or when the run is over."""
+        if not run.pending:
+            return
+        force = force or self._over(run) is not None
+        for p in [p for p in run.pending if force or self._now(run) >= p.due]:
+            run.pending.remove(p)
+            self._heal(run, p)
 
-        With `wait`, keep going until none is left (sleeping until the next one is due)."""
-        while pending:
-            force = force_reason is not None or over() is not None
-            due = [p for p in pending if force or now() >= p.due]
-            for p in due:
-                pending.remove(p)
-                self._heal(p, now)
-            if not wait:
-                return
-            if pending:
-                self._wait(stop)
-
-    def _heal(self, p: _Pending, now: Callable[[], float]) -> None:
+    def _heal(self, run: _Run, p: _Pending) -> None:
         try:
             said = p.heal()
             if said:
@@ -232,7 +232,7 @@ class ChaosRunner:
         except Exception as e:  # keep healing the others; the record says what could not be undone
             log.exception("chaos: healing %s failed", p.record["fault"])
             p.record["heal_error"] = f"{type(e).__name__}: {e}"
-        p.record["healed_at_s"] = round(now(), 3)
+        p.record["healed_at_s"] = round(self._now(run), 3)
         said = p.record.get("heal_detail") or ""
         if "heal_error" in p.record:
             said = f"heal failed: {p.record['heal_error']}"
