@@ -13,7 +13,8 @@ Each system runs one job per round: once the 2-node group has completed a step, 
 faults (its fault-free steps/s), then a window of `--duration` seconds with the fault schedule. The schedule is
 seeded and the same for both systems: fault i at (i+1)*X +- jitter seconds into the window; worker kills hit the
 worker of node a or b (seeded), node kills always hit node b (a hosts stock torchrun's c10d store, whose loss
-ends a c10d job). A fault waits until its target has live workers (it never fires into a node that is down).
+ends a c10d job). A fault waits until its target has live workers (it never fires into a node that is down), but not, unlike
+recovery.py, for ours' pre-warmed spare workers to be ready: each event records how many were (`spares_ready_total`).
 
 Useful steps: the steps of the final committed timeline (`runtime/audit.py` `committed_timeline`: each step from
 the newest launch that ran it) up to the newest group's last completed step, counted from the step completed when
@@ -50,6 +51,7 @@ from benchmarks.recovery import CONFS, Completed, Job, _trained, recovery_stats 
 from elastictrain.chaos.faults import signal_worker  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
 from elastictrain.runtime.audit import committed_timeline  # noqa: E402
+from elastictrain.runtime.warmstart import idle_spares  # noqa: E402
 from tests.chaos.cluster import GLOBAL_BATCH, Node  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "goodput"
@@ -107,17 +109,20 @@ def run_window(job: Job, faults: list[Fault], t0: float, duration: float, rejoin
             f = queue[0]
             node = nodes[f.node]
             # a fault hits running processes: wait for the target's workers (a restart may be under way)
+            # unlike recovery.py, no waiting for ours' pre-warmed spares: a steady fault rate hits whatever runs
+            spares = {n: list(idle_spares(x.pid)) for n, x in nodes.items()} if job.system == "ours" else None
             if f.kind == "worker" and _wait_workers(node, min(t_end, now + 0.5)):
                 try:
                     signal_worker(node.pid, signal.SIGKILL)
                     events.append({"kind": "worker", "node": f.node, "time": time.monotonic(),
-                                   "scheduled_s": f.at_s})
+                                   "scheduled_s": f.at_s, "spares_ready_total": spares})
                     queue.pop(0)
                 except (LookupError, ProcessLookupError):
                     pass  # the worker exited between the lookup and the signal: try again
             elif f.kind == "node" and node.alive() and pending_rejoin is None:
                 node.kill()
-                events.append({"kind": "node", "node": f.node, "time": time.monotonic(), "scheduled_s": f.at_s})
+                events.append({"kind": "node", "node": f.node, "time": time.monotonic(), "scheduled_s": f.at_s,
+                               "spares_ready_total": spares})
                 pending_rejoin = time.monotonic() + rejoin_after
                 queue.pop(0)
         time.sleep(0.02)
@@ -169,7 +174,7 @@ def analyse(done: list[Completed], events: list[dict], t_base: float, t0: float,
             "recovered": False, "recovery_s": None, "steps_lost": None,
             "note": "no step by a group launched after it before the window closed"}
         per_event.append({"kind": e["kind"], "node": e["node"], "at_s": round(e["time"] - t0, 2),
-                          "scheduled_s": e.get("scheduled_s"), **r})
+                          "scheduled_s": e.get("scheduled_s"), **r, "spares_ready_total": e.get("spares_ready_total")})
     faults = [e for e in per_event if e["kind"] != "rejoin"]
     rec = [e["recovery_s"] for e in faults if e["recovered"]]
     lost = [e["steps_lost"] for e in per_event if e["steps_lost"] is not None]
@@ -254,7 +259,7 @@ def _git() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "benchmarks", "elastictrain"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "benchmarks/*.py", "elastictrain"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("+uncommitted" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -339,6 +344,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}, output under /tmp")
     p.add_argument("--out", help="output path without suffix (default benchmarks/results/goodput)")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the existing JSON")
+    p.add_argument("--keep", help="keep each job's logs, ledgers and checkpoints under this directory")
+    p.add_argument("--note", default="", help="free text kept in meta.note (what else ran, what changed)")
     args = p.parse_args()
     if args.quick:
         for k, v in QUICK.items():
@@ -363,7 +370,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/goodput.py", *sys.argv[1:]]),
         "git": _git(), "torch": torch.__version__, "python": sys.version.split()[0], "cpus": psutil.cpu_count(),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "workload": WORKLOAD, "systems": systems,
+        "note": args.note, "workload": WORKLOAD, "systems": systems,
         "confs": {s: CONFS[s.split(":")[0]][s.split(":")[1]] for s in systems},
         "settings": {"duration_s": args.duration, "baseline_s": args.baseline, "every_s": args.every,
                      "jitter": args.jitter, "faults": args.faults, "rejoin_after_s": args.rejoin_after,
@@ -379,6 +386,9 @@ def main() -> None:
     rounds: list[dict] = []
     t_start = time.monotonic()
     with EmbeddedEtcd() as etcd, tempfile.TemporaryDirectory(prefix="goodput-bench-") as tmp:
+        if args.keep:  # node logs, ledgers and checkpoints stay there for a post-mortem
+            tmp = tempfile.mkdtemp(prefix="goodput-bench-", dir=args.keep)
+            meta["kept"] = tmp
         for i in range(args.rounds):
             order = systems if i % 2 == 0 else systems[::-1]
             rounds.append({"order": order})
