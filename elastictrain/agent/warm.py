@@ -128,9 +128,9 @@ class WarmPool:
     def serve(self, local_rank: int, args: tuple, env: dict[str, str], stdout: Optional[str],
               stderr: Optional[str]) -> Optional[SpareHandler]:
         """Hand a worker's assignment to a spare; None when none is left (the caller starts one cold)."""
-        if not self.size or [str(a) for a in args] != self.args:
-            return None  # a per-rank argument (torch's ${local_rank} macro): the spare imported another command
-        spare = self.take()
+        # Any spare will do: it runs the assignment's arguments (a per-rank ${local_rank} macro, another config);
+        # the ones it was started with only chose what to import ahead.
+        spare = self.take() if self.size else None
         if spare is None:
             self.cold += 1
             return None

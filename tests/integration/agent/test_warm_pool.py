@@ -69,11 +69,14 @@ def test_the_worker_exit_code_reaches_the_agent(tmp_path, in_repo):
         pool.close()
 
 
-def test_a_worker_with_other_arguments_is_started_cold(tmp_path, in_repo):
+def test_a_spare_runs_the_assigned_arguments_not_the_ones_it_started_with(tmp_path, in_repo):
     pool = WarmPool(sys.executable, ("-m", MODULE, str(tmp_path)), size=1)
     try:
         pool.fill()
-        assert pool.serve(0, ("-m", MODULE, str(tmp_path), "1"), {"RANK": "0"}, None, None) is None
+        handler = pool.serve(0, ("-m", MODULE, str(tmp_path), "4"), {"RANK": "1"}, None, None)
+        assert handler is not None and handler.proc.wait(timeout=60) == 4
+        ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
+        assert ran["argv"] == [str(tmp_path), "4"] and ran["rank"] == "1"
     finally:
         pool.close()
 
