@@ -107,6 +107,12 @@ class Fabric:
         """Plug a cut host back in."""
         self._in(self.bridge, "ip", "link", "set", self.ports[name], "up")
 
+    def routes(self, name: str) -> list[str]:
+        """The IPv4 routing table of `name`'s namespace, one route a line (`ip route show table all`)."""
+        cmd = [*self.prefix(name), "ip", "-4", "route", "show", "table", "all"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=20).stdout
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
     def reachable(self, src: str, dst: str, port: int) -> bool:
         """Whether a TCP connection from `src`'s namespace to `dst`:`port` succeeds (within 2 s)."""
         probe = f"exec 3<>/dev/tcp/{self.addr[dst]}/{port}"

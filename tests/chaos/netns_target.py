@@ -51,6 +51,15 @@ class Corruption:
     """Wall-clock time of the corruption (worker logs carry wall-clock times)."""
 
 
+@dataclass
+class Partition:
+    """A host the test cut off, and when (wall clock)."""
+
+    host: str
+    cut_at: float
+    healed_at: Optional[float] = None
+
+
 class NetnsTarget:
     """A `ChaosTarget` over the hosts of a `Job` in a `Fabric`, plus its etcd and S3 server."""
 
@@ -60,6 +69,7 @@ class NetnsTarget:
         self.current: dict[str, Node] = {}
         self.away: set[str] = set()  # killed, drained or partitioned, until healed
         self.corrupted: list[Corruption] = []
+        self.partitions: list[Partition] = []
         self._lock = threading.Lock()
 
     # --- hosts --------------------------------------------------------------------------------------------
@@ -130,6 +140,7 @@ class NetnsTarget:
         else:  # partition
             self._leave(host)
             self.fabric.cut(host)
+            self.partitions.append(Partition(host, time.time()))
             detail, heal = f"bridge port of {host} down", partial(self._reconnect, host)
         return Injected(fault, host, detail, heal)
 
@@ -153,6 +164,7 @@ class NetnsTarget:
 
     def _reconnect(self, host: str) -> str:
         self.fabric.reconnect(host)
+        next(p for p in reversed(self.partitions) if p.host == host).healed_at = time.time()
         with self._lock:
             self.away.discard(host)
             old = self.current[host]
