@@ -1,7 +1,7 @@
 """`elastictrain chaos` against a live 2-node localhost job (real etcd): a scripted schedule, then the outcome.
 
-The schedule kills a worker, kills a whole node (its agent is re-launched by the heal with the same command and
-re-joins), fills the checkpoint directory for a few seconds, corrupts the newest committed checkpoint and kills a
+The schedule kills a worker, fills the checkpoint directory for a few seconds, kills a whole node (its agent is
+re-launched by the heal with the same command and re-joins), corrupts the newest committed checkpoint and kills a
 worker again so that the next load has to reject it. Asserted: the chaos command exits 0 with one event record per
 fault, the job finishes with every step of the committed history consuming exactly the samples of an uninterrupted
 run, the re-launched agent joined and finished the job, saves failed with ENOSPC while storage was full and
@@ -34,7 +34,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 # Steps take ~0.1 s and agents publish their step every 2 s: triggers are spaced by far more than that lag, and the
 # job is long enough for the re-launched node to re-join before it ends.
 STEPS = 140
-SCHEDULE = ("kill-worker@step=20, kill-node@step=50/2s, storage-full@step=70/4s, corrupt-checkpoint@step=100, "
+# storage-full comes before the node kill: the kill's restarts outlast its heal, so the corruption never meets a
+# full disk (faults fire in order, but a heal does not hold the next fault back).
+SCHEDULE = ("kill-worker@step=20, storage-full@step=40/4s, kill-node@step=60/2s, corrupt-checkpoint@step=110, "
             "kill-worker")
 
 
