@@ -208,7 +208,7 @@ def test_three_hosts_survive_a_seeded_schedule_of_mixed_faults(world, reference,
                                    for r in records])
         assert codes == [0, 0, 0], "every host finishes\n" + job.logs()
         check_outcome(job, target, reference, records, watch.seen)
-    except AssertionError:
+    except BaseException:  # an assertion, a timeout, an interrupt: say what the chaos did
         print("chaos runner records:\n" + "\n".join(json.dumps(r) for r in records))
         raise
     finally:
