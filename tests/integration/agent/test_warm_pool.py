@@ -111,3 +111,43 @@ def test_spares_never_outlive_their_agent(tmp_path, in_repo):
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+_SURVIVOR = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: time.sleep(float(sys.argv[2])) or sys.exit(0))
+time.sleep(float(sys.argv[1]))
+sys.exit(int(sys.argv[3]))
+"""
+
+
+def _group(tmp_path, crash_code: int, survivor_exit_s: float) -> dict[int, int]:
+    """Local rank 0 exits with `crash_code` after 0.5 s; rank 1 needs `survivor_exit_s` to leave on SIGTERM."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastictrain.agent.warm import WarmContext
+
+    pool = WarmPool(sys.executable, ("-c", _SURVIVOR), size=0)
+    args = {0: ("-c", _SURVIVOR, "0.5", "0", str(crash_code)), 1: ("-c", _SURVIVOR, "600", str(survivor_exit_s), "0")}
+    ctx = WarmContext(pool, name="t", entrypoint=sys.executable, args=args, envs={0: {}, 1: {}},
+                      logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    ctx.start()
+    try:
+        result = ctx.wait(timeout=60)
+        assert result is not None, "the group never ended"
+        return {lr: f.exitcode for lr, f in result.failures.items()}
+    finally:
+        ctx.close()
+        pool.close()
+
+
+def test_a_crashed_groups_survivors_are_killed_after_a_short_grace(tmp_path):
+    codes = _group(tmp_path, crash_code=1, survivor_exit_s=25)
+    assert codes == {0: 1, 1: -signal.SIGKILL}  # torch would have waited 30 s for the SIGTERM handler
+
+
+def test_workers_leaving_to_re_form_get_the_full_timeout(tmp_path):
+    from elastictrain.runtime.exitcodes import EXIT_REFORM
+
+    codes = _group(tmp_path, crash_code=EXIT_REFORM, survivor_exit_s=3)
+    assert codes == {0: EXIT_REFORM}  # the survivor finished its work and exited 0 on its own
