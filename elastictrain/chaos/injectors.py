@@ -61,6 +61,14 @@ def is_gone(pid: int) -> bool:
         return True
 
 
+def cmdline_of(pid: int) -> list[str]:
+    """The command line of `pid`, empty when it is gone or unreadable."""
+    try:
+        return psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
 def wait_gone(pid: int, timeout: float) -> bool:
     """Wait up to `timeout` seconds for `pid` to exit; True when it did."""
     deadline = time.monotonic() + timeout

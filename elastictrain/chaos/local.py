@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 _LIVE_EXCLUDED = {"succeeded", "left", "failed", "gone", "lost"}
 
+AGENT_COMMANDS = ("elastictrain", "torchrun", "torch.distributed.run")
+"""Words one of which an agent's command line holds."""
+
 RELAUNCH_GRACE_S = 60.0
 """After re-launching a node, how long a job with no reporting node still counts as running (not finished)."""
 
@@ -196,6 +199,11 @@ class LocalTarget:
             raise UnsupportedFault(f"node {node} runs on host {n.host}; run `elastictrain chaos` there to hit it")
         if injectors.is_gone(n.agent_pid):
             raise UnsupportedFault(f"node {node}'s agent pid {n.agent_pid} is not running on this machine")
+        # The pid comes from etcd: make sure it is an agent before signalling it and everything below it.
+        cmdline = " ".join(injectors.cmdline_of(n.agent_pid))
+        if not any(word in cmdline for word in AGENT_COMMANDS):
+            raise UnsupportedFault(f"node {node}'s agent pid {n.agent_pid} runs {cmdline[:80]!r}, not an agent "
+                                   f"(pid reused?); not touching it")
         return n.agent_pid
 
     def _counting_relaunch(self, heal: Optional[injectors.Heal]) -> Optional[injectors.Heal]:

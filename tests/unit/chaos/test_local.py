@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import time
 from dataclasses import asdict
 
@@ -104,3 +105,15 @@ def test_a_job_whose_only_node_is_being_relaunched_is_not_finished(client):
     assert not t.finished(), "a node is being started again"
     heal()
     assert not t.finished(), "the re-launched agent has not reported yet"
+
+
+def test_a_pid_that_is_no_agent_is_never_signalled(client):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        client.node("a", host=socket.gethostname(), pid=sleeper.pid)
+        with pytest.raises(UnsupportedFault, match="not an agent"):
+            target(client).inject(Fault("kill-node"), "a", random.Random(0))
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
