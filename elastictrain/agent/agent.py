@@ -37,6 +37,9 @@ from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Be
 
 log = logging.getLogger(__name__)
 
+SPARE_WARMUP_WAIT_S = 120.0
+"""The longest an agent delays its first rendezvous for its spare workers' imports."""
+
 MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
@@ -154,8 +157,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self._ensure_channel()
-        if self._warm is not None:
-            self._warm.fill()  # the spares import while we rendezvous, then become the first workers
+        if self._warm is not None and self._warm.fill():
+            self._join_when_warm()
         outcome = "unknown"
         try:
             result = super().run(role)
@@ -174,6 +177,19 @@ class ElasticAgent(LocalElasticAgent):
                 self._channel = None
             if self._warm is not None:
                 self._warm.close()
+
+    def _join_when_warm(self) -> None:
+        """Join only once this node's spares have imported the worker code.
+
+        A joining node makes every running node stop its workers; joining while our own workers still import
+        would leave the whole group idle for that long (10-20 s on busy cores), instead of training on.
+        """
+        started = time.monotonic()
+        deadline = started + SPARE_WARMUP_WAIT_S
+        while self._warm.ready() < self._warm.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.info("%d spare worker(s) ready after %.1fs; joining the rendezvous", self._warm.ready(),
+                 time.monotonic() - started)
 
     def _ensure_channel(self) -> _HeartbeatChannel:
         if self._channel is None:

@@ -102,6 +102,10 @@ class WarmPool:
             log.debug("started %d spare worker(s)", started)
         return started
 
+    def alive(self) -> int:
+        """How many idle spares are alive (a spare whose import failed has exited)."""
+        return sum(1 for s in self._spares if s.alive())
+
     def ready(self) -> int:
         """How many idle spares have finished their imports."""
         return sum(1 for s in self._spares if s.alive() and os.path.exists(ready_file(self.dir, s.proc.pid)))
