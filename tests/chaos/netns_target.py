@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
@@ -52,12 +52,13 @@ class Corruption:
 
 
 @dataclass
-class Partition:
-    """A host the test cut off, and when (wall clock)."""
+class Outage:
+    """A host cut off or a worker stopped by the test, and when (wall clock, as in the agents' logs)."""
 
+    kind: str
     host: str
-    cut_at: float
-    healed_at: Optional[float] = None
+    start: float
+    end: Optional[float] = None
 
 
 class NetnsTarget:
@@ -69,7 +70,7 @@ class NetnsTarget:
         self.current: dict[str, Node] = {}
         self.away: set[str] = set()  # killed, drained or partitioned, until healed
         self.corrupted: list[Corruption] = []
-        self.partitions: list[Partition] = []
+        self.outages: list[Outage] = []
         self._lock = threading.Lock()
 
     # --- hosts --------------------------------------------------------------------------------------------
@@ -128,7 +129,9 @@ class NetnsTarget:
         if fault.kind == "kill-worker":
             detail, heal = injectors.kill_worker(agent.pid, fault.rank, rng)
         elif fault.kind == "stop-worker":
-            detail, heal = injectors.stop_worker(agent.pid, fault.rank, rng)
+            detail, cont = injectors.stop_worker(agent.pid, fault.rank, rng)
+            assert cont is not None
+            heal = partial(self._end_outage, self._begin_outage("stop-worker", host), cont)
         elif fault.kind == "kill-node":
             self._leave(host)
             detail, _ = injectors.kill_node(agent.pid, relaunch=False)
@@ -140,8 +143,9 @@ class NetnsTarget:
         else:  # partition
             self._leave(host)
             self.fabric.cut(host)
-            self.partitions.append(Partition(host, time.time()))
-            detail, heal = f"bridge port of {host} down", partial(self._reconnect, host)
+            outage = self._begin_outage("partition", host)
+            detail = f"bridge port of {host} down"
+            heal = partial(self._end_outage, outage, partial(self._reconnect, host))
         return Injected(fault, host, detail, heal)
 
     # --- helpers ------------------------------------------------------------------------------------------
@@ -162,9 +166,18 @@ class NetnsTarget:
             self.away.discard(host)
         return f"agent pid {old.pid} exited with {old.proc.returncode}; started again as pid {new.pid}"
 
+    def _begin_outage(self, kind: str, host: str) -> Outage:
+        outage = Outage(kind, host, time.time())
+        self.outages.append(outage)
+        return outage
+
+    @staticmethod
+    def _end_outage(outage: Outage, heal: Callable[[], Optional[str]]) -> Optional[str]:
+        outage.end = time.time()
+        return heal()
+
     def _reconnect(self, host: str) -> str:
         self.fabric.reconnect(host)
-        next(p for p in reversed(self.partitions) if p.host == host).healed_at = time.time()
         with self._lock:
             self.away.discard(host)
             old = self.current[host]

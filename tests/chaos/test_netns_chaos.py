@@ -10,7 +10,8 @@ Asserted: no namespace routes outside the test subnet; the job finishes; every c
 samples of an uninterrupted run (exactly once); bitwise final parameters and losses; every checkpoint seen
 COMMITTED during the run is still valid at the end (retention keeps all: keep_last is high) unless the test
 corrupted it; no resume loaded a corrupted or uncommitted checkpoint, and the corrupted one was skipped by the
-resume that followed it; a partitioned host's own agent stopped its stuck workers.
+resume that followed it; a partitioned host's own agent stopped its stuck workers; a stopped worker was declared
+hung by an agent before the test continued it.
 
 Why 3:3 and not 2:3: a step run on 2 ranks reduces gradients in another order (the design's contract: numerics may
 differ by reduction order), so after any such step the final parameters need not be bitwise the 3-rank
@@ -55,11 +56,12 @@ STEPS = 130
 SEED = 20261202
 BUCKET = "chaos"
 # Faults fire once the job has newly completed a step (progress between faults, whatever the machine's speed);
-# the corrupted checkpoint is followed at once by a worker kill, so the restart must skip it.
+# the corrupted checkpoint is followed at once by a worker kill, so the restart must skip it. The stopped worker
+# stays stopped for 20 s, far past the hang timeout (max(3 s, 5 x p95 step time)): an agent must act.
 SCHEDULE = """
 kill-worker@step=10
-restart-etcd@step=18/3s
-stop-worker@step=28/8s
+stop-worker@step=18/20s
+restart-etcd@step=28/3s
 storage-down@step=38/8s
 corrupt-checkpoint@step=48
 kill-worker
@@ -248,17 +250,21 @@ def check_outcome(job: Job, target: NetnsTarget, reference: dict, records: list[
     for c in target.corrupted:
         assert any(s == c.step and t > c.time for t, s in skips), f"the corrupted step {c.step} was never rejected"
 
-    for p in target.partitions:  # the cut-off host's own agent stopped its stuck workers
-        assert p.healed_at is not None
-        stopped = [t for t in agent_failures(job, p.host) if p.cut_at < t < p.healed_at + 30]
-        assert stopped, f"{p.host}'s agent never stopped its workers after the partition"
+    for o in target.outages:
+        assert o.end is not None
+        if o.kind == "partition":  # the cut-off host's own agent stopped its stuck workers
+            assert [t for t in agent_failures(job, o.host) if o.start < t < o.end + 30], \
+                f"{o.host}'s agent never stopped its workers after the partition"
+        else:  # a stopped worker is a hang: some agent (its own or a peer's, stuck in a collective) says so
+            assert [t for h in HOSTS for t in agent_failures(job, h, "hung") if o.start < t < o.end], \
+                f"no agent declared the group hung while a worker of {o.host} was stopped"
 
 
-def agent_failures(job: Job, host: str) -> list[float]:
+def agent_failures(job: Job, host: str, what: str = "hung|FAILED") -> list[float]:
     """Wall-clock times at which the host's agent declared its worker group hung or failed."""
     out = []
     for line in (job.out / f"agent-{host}.log").read_text(errors="replace").splitlines():
-        found = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ERROR .*worker group (hung|FAILED)", line)
+        found = re.match(rf"(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{{3}}) ERROR .*worker group ({what})", line)
         if found:  # the agent logs local time
             out.append(time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S")) + int(found.group(2)) / 1000)
     return out
