@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
-from elastictrain.agent.warm import WarmPool
+from elastictrain.agent.spares import WarmPool
 from elastictrain.errors import AgentError
 from elastictrain.runtime.exitcodes import EXIT_REFORM
 from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
@@ -122,6 +122,7 @@ class ElasticAgent(LocalElasticAgent):
         shutdown_timeout: int = 30,
         clock: Callable[[], float] = time.monotonic,
         warm_spares: bool = True,
+        warm_pool: WarmPool | None = None,
     ):
         super().__init__(spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout,
                          log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
@@ -139,7 +140,11 @@ class ElasticAgent(LocalElasticAgent):
         self._spares_announced = True
         if isinstance(spec.entrypoint, str) and spec.numa_options is None:
             # Also without spares: the pool's process context stops a crashed group's survivors fast.
-            self._warm = WarmPool(spec.entrypoint, spec.args, spec.local_world_size if warm_spares else 0)
+            size = spec.local_world_size if warm_spares else 0
+            self._warm = warm_pool or WarmPool(spec.entrypoint, spec.args, size)
+            self._warm.size = size
+        elif warm_pool is not None:
+            warm_pool.close()
         if spec.monitor_interval > MAX_MONITOR_INTERVAL_S:
             log.warning("monitor interval %.2fs is above %.1fs: worker exits will be noticed late",
                         spec.monitor_interval, MAX_MONITOR_INTERVAL_S)
@@ -157,8 +162,10 @@ class ElasticAgent(LocalElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         self._ensure_channel()
-        if self._warm is not None and self._warm.fill():
-            self._join_when_warm()
+        if self._warm is not None:
+            self._warm.fill()
+            if self._warm.size:
+                self._join_when_warm()
         outcome = "unknown"
         try:
             result = super().run(role)

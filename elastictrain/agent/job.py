@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
 from elastictrain.agent.launch import get_args_parser, launch, parse_args
 from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job
@@ -34,7 +35,6 @@ from elastictrain.rendezvous.settings import EtcdSettings
 
 log = logging.getLogger(__name__)
 
-RECIPE_MODULE = "elastictrain.recipes.lm"
 
 
 def _flag_given(argv: Sequence[str], *names: str) -> bool:
@@ -77,7 +77,8 @@ def _checkpoint_url(url: Optional[str]) -> Optional[str]:
     return os.path.abspath(url)
 
 
-def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]) -> int:
+def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str],
+            spares: Optional[WarmPool] = None) -> int:
     """Run this node's agent until the job ends; returns the process exit code."""
     cfg = load_config(config_path, list(overrides))  # fail fast, before anything starts
     # A probe script name: any other positional argument (not a flag's value) lands before it.
@@ -136,7 +137,7 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
         listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
         try:
             launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
-                   budget=budget, on_agent=on_agent, warm_spares=request.warm_spares)
+                   budget=budget, on_agent=on_agent, warm_spares=request.warm_spares, warm_pool=spares)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             log.error("job failed: rank %s exited with %s: %s", rank, failure.exitcode, failure.message)
@@ -174,7 +175,7 @@ def add_run_parser(sub: Any) -> None:
                    help="override a config field, e.g. --set train.steps=200 (repeatable)")
 
 
-def main_run(args: Any, extra: list[str]) -> int:
+def main_run(args: Any, extra: list[str], spares: Optional[WarmPool] = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # torchrun's parser would exit(2) on an unknown flag with usage text; check first for a clear error
@@ -182,4 +183,4 @@ def main_run(args: Any, extra: list[str]) -> int:
     unknown = [a.split("=", 1)[0] for a in extra if a.startswith("--") and a.split("=", 1)[0] not in known]
     if unknown:
         raise ConfigError(f"unknown flag(s) {', '.join(unknown)} for elastictrain run; see elastictrain run --help")
-    return run_job(args.config, args.overrides, extra)
+    return run_job(args.config, args.overrides, extra, spares)

@@ -26,6 +26,7 @@ from torch.distributed.run import config_from_args, get_args_parser as torchrun_
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
+from elastictrain.agent.spares import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def launch(
     budget: RestartBudget | None = None,
     on_agent: Callable[[ElasticAgent], None] | None = None,
     warm_spares: bool = True,
+    warm_pool: WarmPool | None = None,
 ) -> dict[int, Any]:
     """Run our agent until the worker group finishes, like torch's ``launch_agent``.
 
@@ -180,6 +182,7 @@ def launch(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout if config.shutdown_timeout is not None else 30,
         warm_spares=warm_spares,
+        warm_pool=warm_pool,
     )
     log.info("starting agent: nodes %d..%d, %d workers per node, rdzv %s at %r (run %s), max restarts %d, "
              "health %s", config.min_nodes, config.max_nodes, config.nproc_per_node, config.rdzv_backend,

@@ -6,7 +6,6 @@ import argparse
 import sys
 from typing import Optional
 
-from elastictrain.cli import chaos, ckpt, control, dashboard, events, status
 from elastictrain.errors import ElastictrainError
 
 
@@ -17,6 +16,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top: `elastictrain run` starts its spare workers before anything imports torch.
+    from elastictrain.cli import chaos, ckpt, control, dashboard, events, status
+
     p = argparse.ArgumentParser(prog="elastictrain", description="Elastic, fault-tolerant PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
     _add_run(sub)
@@ -30,19 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spares = None
+    if argv[:1] == ["run"] and not {"-h", "--help"} & set(argv):
+        from elastictrain.agent.spares import start_early
+
+        spares = start_early(argv[1:])  # they import alongside ours; the agent adopts them
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
     try:
+        args, extra = parser.parse_known_args(argv)
         if args.command == "run":
             from elastictrain.agent.job import main_run
 
-            return main_run(args, extra)
+            return main_run(args, extra, spares)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
     except ElastictrainError as e:
         sys.stderr.write(f"elastictrain: error: {e}\n")
         return 2
+    finally:
+        if spares is not None:
+            spares.close()  # a no-op once the agent has closed the pool it adopted
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain.agent.warm import WarmPool
+from elastictrain.agent.spares import WarmPool
 from elastictrain.runtime.warmstart import assigned_rank, idle_spares
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,7 +93,7 @@ def test_idle_spares_exit_when_the_pool_closes(tmp_path, in_repo):
 def test_spares_never_outlive_their_agent(tmp_path, in_repo):
     agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from elastictrain.agent.warm import WarmPool
+        from elastictrain.agent.spares import WarmPool
         pool = WarmPool(sys.executable, ("-m", "{MODULE}", {str(tmp_path)!r}), size=2)
         pool.fill()
         print(" ".join(str(s.proc.pid) for s in pool._spares), flush=True)
@@ -151,3 +151,18 @@ def test_workers_leaving_to_re_form_get_the_full_timeout(tmp_path):
 
     codes = _group(tmp_path, crash_code=EXIT_REFORM, survivor_exit_s=3)
     assert codes == {0: EXIT_REFORM}  # the survivor finished its work and exited 0 on its own
+
+
+def test_elastictrain_run_starts_its_spares_from_the_config_before_importing_torch(tmp_path):
+    from elastictrain.agent.spares import start_early
+
+    pool = start_early(["--config", str(REPO / "configs" / "tiny-cpu.yaml"), "--nproc-per-node", "3",
+                        "--set", "train.steps=5"])
+    try:
+        assert pool is not None and pool.size == 3 and pool.alive() == 3
+        assert pool.args[-4:] == ["--config", str(REPO / "configs" / "tiny-cpu.yaml"), "--set", "train.steps=5"]
+    finally:
+        if pool is not None:
+            pool.close()
+    assert start_early(["--config", str(REPO / "configs" / "tiny-cpu.yaml"), "--no-warm-spares"]) is None
+    assert start_early(["--config", str(tmp_path / "missing.yaml")]) is None  # the run itself reports it
