@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 SPARE_WARMUP_WAIT_S = 120.0
 """The longest an agent delays its first rendezvous for its spare workers' imports."""
 
+MONITOR_STALL_S = 2.0
+"""A monitor loop held up longer than this restarts the hang timers instead of judging silence it caused."""
+
 MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
@@ -138,6 +141,7 @@ class ElasticAgent(LocalElasticAgent):
         self._warm: WarmPool | None = None
         self._refill = False
         self._spares_announced = True
+        self._last_tick: float | None = None
         if isinstance(spec.entrypoint, str) and spec.numa_options is None:
             # Also without spares: the pool's process context stops a crashed group's survivors fast.
             size = spec.local_world_size if warm_spares else 0
@@ -211,6 +215,7 @@ class ElasticAgent(LocalElasticAgent):
         os.environ[ENV_AGENT_PID] = str(os.getpid())
         channel.drain()
         self._pending_hang = []
+        self._last_tick = None
         if self._warm is None:
             pids = super()._start_workers(worker_group)
         else:
@@ -286,9 +291,17 @@ class ElasticAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             now = self._clock()
+            held_up = now - self._last_tick if self._last_tick is not None else 0.0
+            self._last_tick = now
             if self._channel is not None:
                 for beat in self._channel.drain():
                     self._health.record(beat, now)
+            if held_up > MONITOR_STALL_S:
+                # Our own loop stood still (an etcd call during an outage, a stalled machine): beats were not read
+                # and some were dropped, so the silence we would measure is partly ours. Seen: a false hang
+                # right after an etcd restart.
+                self._health.rebase(now)
+                log.warning("agent monitor loop was held up %.1fs; hang timers restart now", held_up)
             hangs = self._health.check(now)
             if self._warm is not None:
                 if self._refill and self._group_training():

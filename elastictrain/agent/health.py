@@ -104,6 +104,14 @@ class HealthMonitor:
         self.workers = {lr: WorkerHealth(local_rank=lr, pid=pid, started=now) for lr, pid in pids.items()}
         self._step_times.clear()
 
+    def rebase(self, now: float) -> None:
+        """Restart every worker's silence clock at ``now``: the watcher itself was held up and missed beats."""
+        for w in self.workers.values():
+            if w.last_progress is None:
+                w.started = max(w.started, now)
+            else:
+                w.last_progress = max(w.last_progress, now)
+
     def record(self, beat: Beat, now: float) -> bool:
         """Take one beat received at ``now``; False when it is not from a current worker (stale, foreign)."""
         w = self.workers.get(beat.local_rank)

@@ -95,7 +95,7 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
             if nnodes not in ("1", "1:1"):
                 raise ConfigError(f"a multi-node job (--nnodes {nnodes}) needs an etcd: pass --rdzv-endpoint "
                                   f"host:2379[,host:2379...] or set elastic.rdzv_endpoint")
-            etcd = stack.enter_context(EmbeddedEtcd())
+            etcd = stack.enter_context(EmbeddedEtcd(die_with_caller=True))  # we run in the main thread
             endpoint = etcd.endpoint
             log.info("no etcd endpoint given: started an embedded etcd at %s (pid %s)", endpoint, etcd.pid)
         request = parse_args(torchrun_argv(cfg, config_path, overrides, user_argv, endpoint))

@@ -44,6 +44,12 @@ def find_etcd_binary() -> str:
     return found
 
 
+_DIE_WITH_PARENT_EXEC = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0); "
+    "os.getppid() == 1 and sys.exit(1); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 class EmbeddedEtcd:
     """Run one etcd member bound to loopback; stop it (by PID) and delete its data at exit.
 
@@ -65,8 +71,10 @@ class EmbeddedEtcd:
         command_prefix: list[str] | None = None,
         name: str = "elastictrain",
         initial_cluster: str | None = None,
+        die_with_caller: bool = False,
     ) -> None:
         self.host = host
+        self._die_with_caller = die_with_caller
         self.port = port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self._own_data_dir = data_dir is None
@@ -133,6 +141,10 @@ class EmbeddedEtcd:
             cmd += ["--cert-file", str(cert), "--key-file", str(key)]
             if ca:
                 cmd += ["--client-cert-auth", "--trusted-ca-file", str(ca)]
+        if self._die_with_caller and sys.platform.startswith("linux"):
+            # A SIGKILLed owner runs no atexit: have the kernel stop etcd then (PDEATHSIG survives the exec;
+            # it fires when the thread that started etcd ends, hence opt-in, for a process's main thread).
+            cmd = [sys.executable, "-c", _DIE_WITH_PARENT_EXEC, *cmd]
         log = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

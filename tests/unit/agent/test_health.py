@@ -160,3 +160,14 @@ def test_lagging_worker_is_reported_first_as_likely_culprit():
             if not (r == 1 and s == 10):  # rank 1 stalls before step 10; its peers wait in step 10's collective
                 beat(m, s * 0.1, s, rank=r, pid=100 + r)
     assert [h.local_rank for h in m.check(10.0)] == [1, 0, 2]
+
+
+def test_a_held_up_watcher_restarts_the_silence_clock_instead_of_blaming_the_worker():
+    m = monitor()
+    t = train(m, 0.0, range(10), 0.1)  # calibrated: fast steps, the floor rules
+    timeout, _ = m.timeout_for("train")
+    late = t + timeout + 5  # the agent's own loop stood still this long (beats went unread)
+    assert m.check(late), "without a rebase the silence reads as a hang"
+    m.rebase(late)
+    assert m.check(late) == []
+    assert m.check(late + timeout + 0.1), "a worker that stays silent is still caught one timeout later"
