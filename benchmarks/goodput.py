@@ -12,11 +12,12 @@ c10d` running the same recipe ("stock torchrun + DCP"), each with the settings `
 recovery.py's CONFS (`defaults` or `tuned`: short leases, last call and keep-alives).
 
 Each system runs one job per round: once the 2-node group has completed a step (and ours' pre-warmed spare
-workers have finished importing: steady state), `--baseline` seconds without faults (its fault-free steps/s), then a window of `--duration` seconds with the fault schedule. The schedule is
-seeded and the same for both systems: fault i at (i+1)*X +- jitter seconds into the window; worker kills hit the
-worker of node a or b (seeded), node kills always hit node b (a hosts stock torchrun's c10d store, whose loss
-ends a c10d job). A fault waits until its target has live workers (it never fires into a node that is down),
-but not, unlike recovery.py, for ours' pre-warmed spare workers to be ready: each event records how many were
+workers have finished importing: steady state), `--baseline` seconds without faults (its fault-free steps/s),
+then a window of `--duration` seconds with the fault schedule. The schedule is seeded and the same for both
+systems: fault i at (i+1)*X +- jitter seconds into the window; worker kills hit the worker of node a or b
+(seeded), node kills always hit node b (a hosts stock torchrun's c10d store, whose loss ends a c10d job). A
+fault waits until its target has live workers (it never fires into a node that is down), but not, unlike
+recovery.py, for ours' pre-warmed spare workers to be ready: each event records how many were
 (`spares_ready_total`).
 
 Useful steps: the steps of the final committed timeline (`runtime/audit.py` `committed_timeline`: each step from
@@ -212,6 +213,22 @@ def start(system: str, conf: str, work: Path, endpoint: Optional[str], attempts:
     raise RuntimeError(f"{system}:{conf} did not start in {attempts} attempts: {failures}")
 
 
+def decompose(r: dict, duration: float) -> dict:
+    """goodput = uptime x speed x useful fraction, from a round's trace: where the fault-free rate was lost."""
+    t = [p[0] for p in r["trace"]]
+    base_gaps = sorted(b - a for a, b in zip(t, t[1:]) if b <= 0)
+    # a stall is a gap far longer than a fault-free step interval: detection, restart, load
+    threshold = max(1.0, 10 * base_gaps[len(base_gaps) // 2]) if base_gaps else 1.0
+    window = [0.0, *(x for x in t if 0 < x <= duration), duration]
+    stalled = sum(g for g in (b - a for a, b in zip(window, window[1:])) if g > threshold)
+    ran = r["steps_run_in_window"]
+    rate = ran / (duration - stalled) if duration > stalled else 0.0
+    return {"stall_threshold_s": round(threshold, 2), "stalled_s": round(stalled, 2),
+            "uptime_fraction": round(1 - stalled / duration, 3),
+            "speed_while_training": round(rate / r["steps_per_s_fault_free"], 3),
+            "useful_fraction": round(r["useful_steps"] / ran, 3) if ran else None}
+
+
 def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faults: list[Fault],
                args: argparse.Namespace) -> dict:
     """One job: fault-free baseline phase, then the fault window; the round's figures and step trace."""
@@ -248,6 +265,7 @@ def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faul
     out["load_avg_1m"] = [load_start, round(os.getloadavg()[0], 2)]
     out["trace"] = [[round(c.time - t0, 2), c.step, c.world] for c in sorted(done, key=lambda c: c.time)
                     if t_base <= c.time <= t_end]
+    out["decomposition"] = decompose(out, args.duration)
     return out
 
 
@@ -264,6 +282,8 @@ def summarize(rounds: list[dict], systems: list[str]) -> dict:
         for key in ("goodput", "steps_per_s_fault_free", "steps_per_s_under_faults", "median_recovery_s",
                     "faults_fired", "recoveries", "steps_thrown_away", "steps_lost_total"):
             out[s][key] = _median([r[key] for r in rs if r[key] is not None])
+        for key in ("uptime_fraction", "speed_while_training", "useful_fraction"):
+            out[s][key] = _median([r["decomposition"][key] for r in rs if r["decomposition"][key] is not None])
         out[s]["steps_lost_per_fault_median"] = _median([x for r in rs for x in r["steps_lost_per_fault"]
                                                          if x is not None])
         out[s]["split_brain_rounds"] = sum(1 for r in rounds if r[s].get("split_brain"))
@@ -315,9 +335,13 @@ def plot(result: dict, path: Path) -> None:
             c, ls, lab = marks[e["kind"]]
             ax.axvline(e["at_s"], color=c, ls=ls, lw=1.2, label=lab)
         rec = f"{r['median_recovery_s']} s" if r["median_recovery_s"] is not None else "n/a"
-        ax.set_title(f"{names[s.split(':')[0]]}, {s.split(':')[1]}: goodput {r['goodput']}\n"
-                     f"({r['steps_per_s_under_faults']} useful steps/s under faults; {r['faults_fired']} faults, "
-                     f"{r['recoveries']} recovered, median recovery {rec})", fontsize=10)
+        d = r.get("decomposition") or {}
+        split = "  SPLIT BRAIN: two 1-node jobs" if r["split_brain"] else ""
+        ax.set_title(f"{names[s.split(':')[0]]}, {s.split(':')[1]}: goodput {r['goodput']} = uptime "
+                     f"{d.get('uptime_fraction')} x speed {d.get('speed_while_training')} x useful "
+                     f"{d.get('useful_fraction')}{split}\n({r['steps_per_s_under_faults']} useful steps/s under "
+                     f"faults; {r['faults_fired']} faults, {r['recoveries']} recovered, median recovery {rec})",
+                     fontsize=10)
         ax.set_ylabel("completed step")
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
@@ -327,7 +351,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"Goodput, fault every {settings['every_s']:.0f} s ({settings['faults']}), "
                  f"{result['meta']['date'][:10]}, load avg {result['meta']['load_avg_at_start'][0]:.1f}",
                  fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -377,7 +401,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         result = json.loads(out.with_suffix(".json").read_text())
+        for r in result["rounds"]:
+            for v in r.values():
+                if isinstance(v, dict) and "trace" in v:
+                    v["decomposition"] = decompose(v, result["meta"]["settings"]["duration_s"])
         result["summary"] = summarize(result["rounds"], result["meta"]["systems"])
+        result["meta"]["summary_recomputed"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                                "git": _git()}
         out.with_suffix(".json").write_text(_dumps(result))
         plot(result, out.with_suffix(".png"))
         return
@@ -405,7 +435,10 @@ def main() -> None:
         "metric": "goodput = useful steps per second in the fault window / fault-free steps per second of the same "
                   "job; useful = steps of the final committed timeline (newest launch per step) completed in the "
                   "window; recovery_s = fault to the first step completed by a group launched after it; "
-                  "steps_lost = steps completed before the fault that the new group ran again",
+                  "steps_lost = steps completed before the fault that the new group ran again; decomposition: "
+                  "goodput = uptime_fraction (window time not in stalls, gaps between steps > stall_threshold_s) "
+                  "x speed_while_training (steps run per unstalled second / fault-free rate) x useful_fraction "
+                  "(useful / steps run)",
         "trace": "per round and system: [seconds since the fault window opened, completed step, world size] for "
                  "every step completed by all ranks of its group, from the baseline phase (negative times) on",
     }
