@@ -26,7 +26,7 @@ from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
 from elastictrain.agent.launch import get_args_parser, launch, parse_args
 from elastictrain.agent.control import ControlRelay
-from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job
+from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
@@ -158,10 +158,24 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
             return 1
         except RendezvousClosedError:
             # Another node ended the job (crash loop, spent budget) and closed the rendezvous; say why here too.
-            why = budget.final_error() or "the job has ended on another node; see `elastictrain events`"
-            log.error("rendezvous of run %s was closed by another node: %s", run_id, why)
+            why = budget.final_error()
+            if why is None and _succeeded(client, settings.run_prefix):
+                # A node started (or re-joined) after the others finished: nothing is left to train.
+                log.warning("run %s already finished on the other nodes; nothing to do here", run_id)
+                return 0
+            log.error("rendezvous of run %s was closed by another node: %s", run_id,
+                      why or "the job has ended on another node; see `elastictrain events`")
             return 1
     return 0
+
+
+def _succeeded(client: EtcdClient, run_prefix: str) -> bool:
+    """Whether a node of this run reported its worker group succeeded (the job's events in etcd)."""
+    try:
+        return any(e.kind == "succeeded" for e in read_events(client, run_prefix))
+    except Exception as e:  # status is best effort; without it the closed rendezvous stays an error
+        log.warning("could not read the run's events from etcd: %s", e)
+        return False
 
 
 def add_run_parser(sub: Any) -> None:

@@ -167,3 +167,14 @@ def test_crash_loop_ends_the_job_with_a_clear_error(job):
     assert job.max_step() == FAULT_STEP, "no step past the crashing one"
     codes = {f["exitcode"] for e in events(job) if e.kind == "failure" for f in e.fields.get("failures", [])}
     assert CHAOS_EXIT_CODE in codes, codes
+
+
+def test_a_node_started_after_the_job_finished_exits_cleanly(job):
+    a = job.start_node("a")
+    assert job.wait([a]) == [0], job.logs()
+    late = job.start_node("late")  # e.g. a replacement a scheduler brought up as the job ended
+    assert job.wait([late]) == [0], job.logs()
+    # Depending on whether the last agent of the run is still leaving: a closed rendezvous of a run that
+    # succeeded, or a fresh round that resumes from the final checkpoint and has nothing to train.
+    assert "already finished on the other nodes" in late.log() or "nothing to train" in late.log(), late.log()
+    assert job.summary()["final_step"] == STEPS
