@@ -349,8 +349,8 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(seen.values(), seen.keys(), loc="upper left", fontsize=8)
     axes[-1, 0].set_xlabel("wall time since the fault window opened (s)")
     fig.suptitle(f"Goodput, fault every {settings['every_s']:.0f} s ({settings['faults']}), "
-                 f"{result['meta']['date'][:10]}, load avg {result['meta']['load_avg_at_start'][0]:.1f}",
-                 fontsize=11)
+                 f"{result['meta']['date'][:10]}, load avg {result['meta']['load_avg_at_start'][0]:.1f}; "
+                 f"round 1 of {len(result['rounds'])} (every round and the medians are in the JSON)", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
