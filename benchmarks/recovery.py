@@ -209,11 +209,20 @@ def _measure(job: Job, fault_at: float, before: Completed, timeout: float, world
 
 
 def recovery_stats(done: list[Completed], fault_at: float, after: Completed) -> dict:
-    """Seconds from a fault to `after` (the first step of the group launched after it) and the steps it lost."""
+    """Seconds from a fault to `after` (the first step of the group launched after it), the stall, steps lost.
+
+    The stall is the time the job completed no step around the fault: from the last step of an older group
+    (or the fault, if that came later) to `after`. It is what a re-join costs the running job: a node that
+    starts takes seconds to import before it can join, and whether the running group trains meanwhile is
+    the difference the stall shows.
+    """
     first = min((c for c in done if c.seq == after.seq), key=lambda c: c.step)
     # the furthest any earlier group got; the new group starts again from its checkpoint
-    reached = max(c.step for c in done if c.seq < after.seq)
+    older = [c for c in done if c.seq < after.seq]
+    reached = max(c.step for c in older)
+    last_old = max([c.time for c in older if c.time <= after.time], default=fault_at)
     return {"recovered": True, "recovery_s": round(after.time - fault_at, 2),
+            "stall_s": round(after.time - min(max(last_old, fault_at), after.time), 2),
             "steps_lost": max(0, reached + 1 - first.step), "resumed_at_step": first.step, "world": after.world}
 
 
@@ -327,23 +336,30 @@ def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict
         for system, conf in plan:
             rs = [r for r in runs if r["fault"] == fault and r["system"] == system and r["conf"] == conf]
             secs = [r["recovery_s"] for r in rs if r.get("recovered")]
+            stalls = [r["stall_s"] for r in rs if r.get("recovered") and r.get("stall_s") is not None]
             lost = [r["steps_lost"] for r in rs if r.get("recovered") and r.get("steps_lost") is not None]
             summary[fault][f"{system}:{conf}"] = {
                 "median_s": _median(secs), "runs_s": [r.get("recovery_s") for r in rs],
+                "stall_median_s": _median(stalls),
                 "recovered": f"{len(secs)}/{len(rs)}", "steps_lost_median": _median(lost),
                 "steps_lost": [r.get("steps_lost") for r in rs]}
     ratios: dict[str, dict] = {}
     for fault, by in summary.items():
         ratios[fault] = {}
         for conf in ("defaults", "tuned"):
-            ours, stock = by.get(f"ours:{conf}"), by.get(f"stock:{conf}")
-            if not ours or not stock or ours["median_s"] is None or stock["recovered"].endswith("/0"):
-                ratios[fault][conf] = None
-            elif stock["median_s"] is None:
-                ratios[fault][conf] = "stock never recovered within the bound"
-            else:
-                ratios[fault][conf] = round(stock["median_s"] / ours["median_s"], 2)
+            ratios[fault][conf] = _ratio(by.get(f"ours:{conf}"), by.get(f"stock:{conf}"), "median_s")
+            ratios[fault][f"{conf}_stall"] = _ratio(by.get(f"ours:{conf}"), by.get(f"stock:{conf}"),
+                                                    "stall_median_s")
     return summary, ratios
+
+
+def _ratio(ours: Optional[dict], stock: Optional[dict], key: str):
+    """stock / ours of one summary figure; None where either side has no measurement."""
+    if not ours or not stock or ours[key] is None or stock["recovered"].endswith("/0"):
+        return None
+    if stock[key] is None:
+        return "stock never recovered within the bound"
+    return round(stock[key] / ours[key], 2) if ours[key] > 0 else None
 
 
 def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict) -> None:
@@ -354,8 +370,10 @@ def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict) -> 
             "torch": torch.__version__, "python": platform.python_version(), "cpus": psutil.cpu_count(),
             "workload": "recipe elastictrain.recipes.lm, tiny Llama (hidden 32, 2 layers), synthetic data, seq 16, "
                         "global batch 8, FSDP2 on gloo; 2 nodes x 1 worker on localhost, checkpoint every 10 steps",
-            "metric": "seconds from the fault to the first step completed (by every rank) of a group launched after "
-                      "it; rejoin: from the node's start to the first completed step of the 2-node group",
+            "metric": "recovery_s: seconds from the fault to the first step completed (by every rank) of a group "
+                      "launched after it; rejoin: from the node's start to the first completed step of the 2-node "
+                      "group. stall_s: seconds without a completed step around the fault (from the last step of an "
+                      "older group, or the fault if later, to that first step)",
             "confs": CONFS,
             **meta,
         },

@@ -135,7 +135,12 @@ class ElasticConfig:
     heartbeat_timeout_s: float = 30.0
     """Floor of the hang-detection timeout (it is also calibrated from observed step times)."""
     join_grace_s: float = 10.0
-    """How long survivors wait for a failed node to come back before re-forming without it."""
+    """How long a forming round waits for more nodes once `min_nodes` joined (torch's last call): at the first
+    formation for any node; when re-forming, only for nodes alive in etcd that have not joined yet."""
+    rejoin_wait_s: float = 0.0
+    """When re-forming and every live node has joined, how long to still wait for a lost node to come back
+    (at most `join_grace_s`). 0: re-form at once; a node that comes back later joins through a scale-up
+    restart (about a second with warm spares)."""
     rdzv_timeout_s: float = 120.0
     warm_spares: bool = True
     """Keep one pre-warmed spare worker per local rank (about 350 MB of host memory each) so that a restart
@@ -373,9 +378,9 @@ def validate(cfg: JobConfig) -> None:
                           "set checkpoint.url (a path or s3://bucket/prefix)")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
-    if e.lease_ttl_s <= 0 or e.heartbeat_timeout_s <= 0 or e.rdzv_timeout_s <= 0 or e.join_grace_s < 0:
-        raise ConfigError("elastic timeouts (lease_ttl_s, heartbeat_timeout_s, rdzv_timeout_s) must be > 0 "
-                          "and join_grace_s >= 0")
+    if min(e.lease_ttl_s, e.heartbeat_timeout_s, e.rdzv_timeout_s, e.join_grace_s) <= 0 or e.rejoin_wait_s < 0:
+        raise ConfigError("elastic timeouts (lease_ttl_s, heartbeat_timeout_s, rdzv_timeout_s, join_grace_s) must "
+                          "be > 0 and rejoin_wait_s >= 0")
     if e.max_restarts < 0:
         raise ConfigError(f"elastic.max_restarts must be >= 0 (got {e.max_restarts})")
     if t.stop_at < 0:

@@ -62,7 +62,7 @@ def torchrun_argv(cfg: JobConfig, config_path: str, overrides: Sequence[str], us
         argv.append("--no-warm-spares")
     if not _flag_given(user_argv, "--rdzv-conf", "--rdzv_conf"):
         argv.append(f"--rdzv-conf=lease_ttl={e.lease_ttl_s:g},last_call_timeout={e.join_grace_s:g},"
-                    f"join_timeout={e.rdzv_timeout_s:g}")
+                    f"rejoin_wait={e.rejoin_wait_s:g},join_timeout={e.rdzv_timeout_s:g}")
     argv += list(user_argv)
     argv += ["-m", RECIPE_MODULE, "--config", config_path]
     for o in overrides:

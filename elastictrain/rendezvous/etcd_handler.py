@@ -16,7 +16,9 @@ What differs from torch's c10d rendezvous, and why:
 * Liveness: each agent keeps a lease-bound node record (`.../nodes/<node>`); a lost node's record
   vanishes after `lease_ttl` and survivors (a) drop it from the state and (b) report it through
   `num_nodes_waiting`, which makes torch's agent restart its workers and join a new round.
-* Rounds are change-driven (`state.py`): waiting nodes wake on a watch instead of polling each second.
+* Rounds are change-driven (`state.py`): waiting nodes wake on a watch instead of polling each second,
+  and a re-forming round completes as soon as every node alive in etcd has joined, instead of waiting
+  out the last call for nodes known to be dead (`rejoin_wait` seconds of it are kept, default 0).
 * A short etcd outage is ridden out: periodic calls (monitor loop, heartbeats) skip a beat instead of
   failing, and only an outage longer than `outage_tolerance` raises.
 """
@@ -66,9 +68,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         state_holder: LeaseAwareStateHolder,
         client: EtcdClient,
         liveness: NodeLiveness,
+        rejoin_wait: float = DEFAULTS["rejoin_wait"],
     ) -> None:
         super().__init__(node, settings, "etcd3", store, state_holder)
-        self._op_executor = WatchingOpExecutor(node, state_holder, settings)
+        self._op_executor = WatchingOpExecutor(node, state_holder, settings, liveness, rejoin_wait)
         self._client = client
         self._liveness = liveness
         self._round_members: set[str] = set()
@@ -158,11 +161,20 @@ def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: Etc
         logger.info("cleared the finished rendezvous of an earlier job with run id '%s'", settings.run_id)
 
 
+def _seconds(params: RendezvousParameters, key: str, allow_zero: bool = False) -> float:
+    value = params.get(key, DEFAULTS[key])
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not (number >= 0 if allow_zero else number > 0):
+        what = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        raise RendezvousError(f"rdzv-conf {key}={value!r} must be {what}")
+    return number
+
+
 def _timeout(params: RendezvousParameters, key: str) -> timedelta:
-    value = params.get_as_int(key, DEFAULTS[key])
-    if value is None or value <= 0:
-        raise RendezvousError(f"rdzv-conf {key}={value!r} must be a positive number of seconds")
-    return timedelta(seconds=value)
+    return timedelta(seconds=_seconds(params, key))
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -198,7 +210,8 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     liveness.on_change = state_holder.notify
     liveness.start()
     state_holder.watch(client)
-    handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness)
+    handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness,
+                                    rejoin_wait=_seconds(params, "rejoin_wait", allow_zero=True))
     logger.info(
         "etcd3 rendezvous '%s' on %s as node %s (lease ttl %s s)",
         params.run_id, settings.endpoints_str(), handler.this_node, settings.lease_ttl,

@@ -7,7 +7,10 @@ op executor polls the backend once a second while it waits. Here:
   until etcd reports a change (a watch on the state key and on the node records), so the agent's
   10 Hz `num_nodes_waiting` polling costs nothing while nothing changes;
 * `WatchingOpExecutor` waits for such a change (or the round's last-call deadline, or 1 s at most)
-  instead of sleeping a fixed second, which takes about a second off every round.
+  instead of sleeping a fixed second, which takes about a second off every round;
+* it also ends a re-forming round's last call early once every node alive in etcd has joined
+  (`may_complete_early`): torch waits out the whole last call because it cannot know whether more nodes
+  are coming; the node records tell us. A lost node that comes back later joins through a scale-up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
     _remove_participant_epilogue,
     _RendezvousContext,
+    _RendezvousJoinOp,
     _RendezvousState,
 )
 
@@ -42,6 +46,25 @@ _MAX_WAIT_S = 1.0
 # A broken watch (etcd restart, failover) is re-established at most this often, each try bounded.
 _REWATCH_EVERY_S = 1.0
 _REWATCH_TOLERANCE_S = 0.5
+
+
+def may_complete_early(ctx: _RendezvousContext, alive: set[str], rejoin_wait: float, now: datetime) -> bool:
+    """Whether this participant may complete the round before its last-call deadline.
+
+    Only a re-formation (round > 0; the first formation waits the whole last call for nodes still
+    starting), only once `min_nodes` joined, only when every node with a live etcd record is a
+    participant (a node alive but not yet joined is waited for, up to the deadline), and only once
+    `rejoin_wait` seconds of the last call have passed (time for a lost node to come back).
+    """
+    state, settings = ctx.state, ctx.settings
+    if state.complete or state.closed or state.round == 0 or state.deadline is None:
+        return False
+    if ctx.node not in state.participants or not settings.min_nodes <= len(state.participants) <= settings.max_nodes:
+        return False
+    last_call_start = state.deadline - settings.timeout.last_call
+    if now < last_call_start + timedelta(seconds=rejoin_wait):
+        return False
+    return alive <= {node_id(n) for n in state.participants}
 
 
 def node_id(node: _NodeDesc) -> str:
@@ -141,6 +164,18 @@ class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
 
     _state_holder: LeaseAwareStateHolder
 
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state_holder: LeaseAwareStateHolder,
+        settings: RendezvousSettings,
+        liveness: NodeLiveness | None = None,
+        rejoin_wait: float = 0.0,
+    ) -> None:
+        super().__init__(node, state_holder, settings)
+        self._liveness = liveness
+        self._rejoin_wait = rejoin_wait
+
     def run(
         self,
         state_handler: Callable[[_RendezvousContext, float], _Action],
@@ -154,6 +189,8 @@ class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
             self._state = self._state_holder.state
             ctx = _RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
+            if action in (_Action.SYNC, _Action.KEEP_ALIVE) and isinstance(state_handler, _RendezvousJoinOp):
+                action = self._early_completion(ctx, action)
 
             if action == _Action.FINISH:
                 continue
@@ -187,10 +224,30 @@ class WatchingOpExecutor(_DistributedRendezvousOpExecutor):
                 self._mark_rendezvous_closed()
             self._state_holder.mark_dirty()
 
-    @staticmethod
-    def _sync_wait(ctx: _RendezvousContext) -> float:
-        # Wake up right at the last-call deadline, when this node may complete the round.
+    def _early_completion(self, ctx: _RendezvousContext, action: _Action) -> _Action:
+        if self._liveness is None:
+            return action
+        now = datetime.now(timezone.utc)
+        if not may_complete_early(ctx, self._liveness.alive_nodes(), self._rejoin_wait, now):
+            return action
+        # Decide on etcd's word, not the watch cache: a node record put a moment ago must be waited for.
+        self._liveness.confirm_alive(set())
+        if not may_complete_early(ctx, self._liveness.alive_nodes(), self._rejoin_wait, now):
+            return action
+        logger.info("every live node joined round %d of rendezvous '%s' (%d participant(s)); completing it "
+                    "without waiting out the last call", ctx.state.round, self._settings.run_id,
+                    len(ctx.state.participants))
+        return _Action.MARK_RENDEZVOUS_COMPLETE
+
+    def _sync_wait(self, ctx: _RendezvousContext) -> float:
+        # Wake up right at the last-call deadline (or the end of the re-join wait), when this node may
+        # complete the round.
         if ctx.state.deadline is not None:
-            until = (ctx.state.deadline - datetime.now(timezone.utc)).total_seconds()
+            now = datetime.now(timezone.utc)
+            until = (ctx.state.deadline - now).total_seconds()
+            rejoin_until = (ctx.state.deadline - ctx.settings.timeout.last_call - now).total_seconds() + \
+                self._rejoin_wait
+            if self._liveness is not None and rejoin_until > 0:
+                until = min(until, rejoin_until)
             return min(_MAX_WAIT_S, max(until, 0.0) + 0.01)
         return _MAX_WAIT_S

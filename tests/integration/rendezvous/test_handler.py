@@ -89,6 +89,64 @@ def test_survivors_see_a_lost_node_and_form_a_smaller_round(etcd: EtcdHandle, ru
         h.shutdown()
 
 
+def _lose_rank0(handlers: list[EtcdRendezvousHandler]) -> list[EtcdRendezvousHandler]:
+    infos = _rendezvous_all(handlers)
+    first = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 0)
+    _kill_without_goodbye(first)
+    return [h for h in handlers if h is not first]
+
+
+def test_survivors_reform_without_waiting_out_the_last_call_for_a_dead_node(etcd: EtcdHandle, run_id: str) -> None:
+    # A 30 s last call (torch's default): torch would idle survivors that long after every node loss.
+    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
+    survivors = _lose_rank0(handlers)
+    start = time.monotonic()
+    infos = _rendezvous_all(survivors)
+    assert {i.world_size for i in infos} == {2}
+    # lease ttl 2 s (+ the keep-alive period it had left) and a round; far below the 30 s last call
+    assert time.monotonic() - start < 15
+    for h in survivors:
+        h.shutdown()
+
+
+def test_the_rejoin_wait_lets_a_lost_node_that_comes_back_into_the_same_round(etcd: EtcdHandle, run_id: str) -> None:
+    conf = {"last_call_timeout": 60, "rejoin_wait": 20}
+    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, **conf)) for _ in range(3)]
+    survivors = _lose_rank0(handlers)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(_rendezvous_all(survivors)), daemon=True)
+    thread.start()
+    while survivors[0]._state_holder.state.round == 0:  # the lost node's lease expired: a new round opened
+        assert thread.is_alive()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    returned = create_handler(_params(etcd.endpoint, run_id, 1, 3, **conf))  # the node, started again
+    joined: list = []
+    joiner = threading.Thread(target=lambda: joined.append(returned.next_rendezvous()), daemon=True)
+    joiner.start()
+    joiner.join(timeout=30)
+    thread.join(timeout=30)
+    # without the wait the survivors would have formed a round of 2 and left it waiting for the next one
+    assert joined and joined[0].world_size == 3 and {i.world_size for i in results[0]} == {3}
+    for h in [*survivors, returned]:
+        h.shutdown()
+
+
+def test_a_live_node_slow_to_rejoin_is_waited_for(etcd: EtcdHandle, run_id: str) -> None:
+    # A worker failure: every agent is alive and re-joins, one of them late; nobody is left behind.
+    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
+    _rendezvous_all(handlers)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(_rendezvous_all(handlers[:2])))
+    thread.start()
+    time.sleep(3.0)
+    late = handlers[2].next_rendezvous()
+    thread.join(timeout=60)
+    assert late.world_size == 3 and {i.world_size for i in results[0]} == {3}
+    for h in handlers:
+        h.shutdown()
+
+
 def test_a_node_that_comes_back_is_waiting_and_joins_a_bigger_round(etcd: EtcdHandle, run_id: str) -> None:
     handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3)) for _ in range(2)]
     _rendezvous_all(handlers)

@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
+from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, may_complete_early, node_id
 
 SETTINGS = RendezvousSettings("run", 1, 3, RendezvousTimeout(), timedelta(seconds=5), 3)
 A, B, C = (_NodeDesc("host", pid, 0) for pid in (1, 2, 3))
@@ -89,11 +89,67 @@ def test_a_reported_change_bypasses_the_read_cache() -> None:
     assert set(holder.state.participants) == {A}
 
 
+def _executor(rejoin_wait: float = 0.0) -> WatchingOpExecutor:
+    holder = LeaseAwareStateHolder(FakeBackend(_RendezvousState()), SETTINGS, FakeLiveness(set()))
+    return WatchingOpExecutor(A, holder, SETTINGS, FakeLiveness(set()), rejoin_wait)
+
+
 def test_waiting_wakes_at_the_last_call_deadline_but_never_sleeps_past_a_second() -> None:
     state = _RendezvousState()
     ctx = _RendezvousContext(A, state, SETTINGS)
-    assert WatchingOpExecutor._sync_wait(ctx) == 1.0
+    executor = _executor()
+    assert executor._sync_wait(ctx) == 1.0
     state.deadline = datetime.now(timezone.utc) + timedelta(seconds=0.3)
-    assert 0.2 < WatchingOpExecutor._sync_wait(ctx) <= 0.31
+    assert 0.2 < executor._sync_wait(ctx) <= 0.31
     state.deadline = datetime.now(timezone.utc) - timedelta(seconds=5)
-    assert WatchingOpExecutor._sync_wait(ctx) <= 0.01 + 1e-9
+    assert executor._sync_wait(ctx) <= 0.01 + 1e-9
+
+
+def test_waiting_also_wakes_when_the_rejoin_wait_ends() -> None:
+    state = _RendezvousState()
+    last_call = SETTINGS.timeout.last_call.total_seconds()  # torch's default: 30 s
+    state.deadline = datetime.now(timezone.utc) + timedelta(seconds=last_call)
+    ctx = _RendezvousContext(A, state, SETTINGS)
+    assert 0.2 < _executor(rejoin_wait=0.3)._sync_wait(ctx) <= 0.31
+
+
+def _forming_round(*participants: _NodeDesc, round_: int = 1, last_call_elapsed: float = 0.1) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = round_
+    for node in participants:
+        state.participants[node] = 0
+    state.deadline = datetime.now(timezone.utc) + SETTINGS.timeout.last_call - timedelta(seconds=last_call_elapsed)
+    return state
+
+
+def _may(state: _RendezvousState, alive: set[_NodeDesc], rejoin_wait: float = 0.0, node: _NodeDesc = A) -> bool:
+    ctx = _RendezvousContext(node, state, SETTINGS)
+    return may_complete_early(ctx, {node_id(n) for n in alive}, rejoin_wait, datetime.now(timezone.utc))
+
+
+def test_a_reforming_round_completes_once_every_live_node_joined() -> None:
+    # node loss: C's lease expired, A and B re-formed; nobody else is alive, so nobody else is waited for
+    assert _may(_forming_round(A, B), alive={A, B})
+
+
+def test_a_live_node_that_has_not_joined_yet_is_waited_for() -> None:
+    assert not _may(_forming_round(A, B), alive={A, B, C})
+
+
+def test_the_first_formation_waits_out_the_last_call_for_nodes_still_starting() -> None:
+    assert not _may(_forming_round(A, round_=0), alive={A})
+
+
+def test_the_rejoin_wait_keeps_part_of_the_last_call_for_a_lost_node() -> None:
+    assert not _may(_forming_round(A, last_call_elapsed=1.0), alive={A}, rejoin_wait=3.0)
+    assert _may(_forming_round(A, last_call_elapsed=3.5), alive={A}, rejoin_wait=3.0)
+
+
+def test_only_a_participant_completes_and_only_within_min_and_max_nodes() -> None:
+    assert not _may(_forming_round(A, B), alive={A, B}, node=C)
+    state = _forming_round(A)
+    state.deadline = None  # fewer than min_nodes: no last call started
+    assert not _may(state, alive={A})
+    full = _forming_round(A, B)
+    full.complete = True
+    assert not _may(full, alive={A, B})
