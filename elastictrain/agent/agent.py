@@ -289,13 +289,16 @@ class ElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        now = self._clock()
+        if self._channel is not None:
+            # Also when the group just failed: the beats a worker sent right before it died say which step it
+            # reached (the restart record and crash-loop detection use it). Seen: a worker that crashed 0.15 s
+            # after resuming was charged as failing at step 0, its two train beats left unread in the socket.
+            for beat in self._channel.drain():
+                self._health.record(beat, now)
         if result.state == WorkerState.HEALTHY:
-            now = self._clock()
             held_up = now - self._last_tick if self._last_tick is not None else 0.0
             self._last_tick = now
-            if self._channel is not None:
-                for beat in self._channel.drain():
-                    self._health.record(beat, now)
             if held_up > MONITOR_STALL_S:
                 # Our own loop stood still (an etcd call during an outage, a stalled machine): beats were not read
                 # and some were dropped, so the silence we would measure is partly ours. Seen: a false hang

@@ -45,6 +45,8 @@ def test_overrides_are_typed_and_applied():
     ("model:\n  path: /nonexistent/model\n", [], "model.path"),
     ("train:\n  steps: [\n", [], "not valid YAML"),
     ("", ["train.steps"], "section.field=value"),
+    ("", ["elastic.rejoin_wait_s=-1"], "rejoin_wait_s"),
+    ("", ["elastic.join_grace_s=0"], "join_grace_s"),
 ])
 def test_bad_config_names_the_field_and_the_fix(tmp_path, text, overrides, must_name):
     with pytest.raises(ConfigError) as e:

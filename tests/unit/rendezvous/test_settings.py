@@ -72,3 +72,18 @@ def test_https_endpoint_without_ca_is_refused() -> None:
 def test_run_id_must_be_a_single_path_segment(run_id: str) -> None:
     with pytest.raises(RendezvousError, match="rdzv-id"):
         EtcdSettings.from_conf("h:2379", run_id, {})
+
+
+def test_rendezvous_timeouts_take_fractions_and_bad_values_name_the_key() -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from elastictrain.rendezvous.etcd_handler import _seconds
+
+    params = RendezvousParameters("etcd3", "127.0.0.1:2379", "run", 1, 2, last_call_timeout="0.5", rejoin_wait="0")
+    assert _seconds(params, "last_call_timeout") == 0.5
+    assert _seconds(params, "rejoin_wait", allow_zero=True) == 0.0
+    for key, value, allow_zero in (("last_call_timeout", "0", False), ("rejoin_wait", "-1", True),
+                                   ("rejoin_wait", "soon", True)):
+        bad = RendezvousParameters("etcd3", "127.0.0.1:2379", "run", 1, 2, **{key: value})
+        with pytest.raises(RendezvousError, match=f"rdzv-conf {key}="):
+            _seconds(bad, key, allow_zero=allow_zero)
