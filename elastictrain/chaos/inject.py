@@ -1,15 +1,22 @@
-"""Deterministic in-worker faults, chosen by environment: ``ELASTICTRAIN_CHAOS=crash@step=N[,rank=R]``.
+"""Deterministic in-worker faults, chosen by environment: ``ELASTICTRAIN_CHAOS=crash@step=N[,rank=R]`` or
+``ELASTICTRAIN_CHAOS=slow@ms=M[,step=N][,rank=R]``.
 
 The recipe calls ``maybe_inject(step, rank)`` once per step; with the variable unset it costs one dict lookup.
-``crash@step=N`` makes the worker of global rank R (every rank when omitted) exit abruptly with
-``CHAOS_EXIT_CODE`` when it is about to run step N, every time it gets there: a crash that restarts cannot fix,
-which is what the crash-loop detection has to catch.
+
+* ``crash@step=N`` makes the worker of global rank R (every rank when omitted) exit abruptly with
+  ``CHAOS_EXIT_CODE`` when it is about to run step N, every time it gets there: a crash that restarts cannot fix,
+  which is what the crash-loop detection has to catch.
+* ``slow@ms=M`` makes that worker sleep M ms before every step from step N on (0 when omitted): a straggler.
+  Since every rank waits for the slowest in its collectives, the whole group then steps no faster than M ms, so
+  tests whose faults are triggered by step numbers but last a number of seconds behave the same on a fast and on
+  a busy machine.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,29 +30,37 @@ class Fault:
     step: int
     rank: Optional[int] = None
     """Global rank that fails; None: every rank."""
+    ms: int = 0
+    """``slow``: the delay before each step."""
+
+
+_FIELDS = {"crash": ("step", "rank"), "slow": ("ms", "step", "rank")}
+_FORMS = "crash@step=N[,rank=R] or slow@ms=M[,step=N][,rank=R]"
 
 
 def parse(spec: str) -> Fault:
-    """Parse ``crash@step=N[,rank=R]``; a ValueError names what was wrong."""
+    """Parse ``crash@step=N[,rank=R]`` or ``slow@ms=M[,step=N][,rank=R]``; a ValueError names what was wrong."""
     kind, _, params = spec.strip().partition("@")
-    if kind != "crash":
-        raise ValueError(f"{ENV_CHAOS}={spec!r}: unknown fault {kind!r}; expected crash@step=N[,rank=R]")
+    if kind not in _FIELDS:
+        raise ValueError(f"{ENV_CHAOS}={spec!r}: unknown fault {kind!r}; expected {_FORMS}")
     fields = {}
     for item in filter(None, params.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("step", "rank") or not value.strip().isdigit():
-            raise ValueError(f"{ENV_CHAOS}={spec!r}: bad field {item!r}; expected step=N or rank=R")
+        if key not in _FIELDS[kind] or not value.strip().isdigit():
+            expected = " or ".join(f"{k}=N" for k in _FIELDS[kind])
+            raise ValueError(f"{ENV_CHAOS}={spec!r}: bad field {item!r}; expected {expected}")
         fields[key] = int(value)
-    if "step" not in fields:
-        raise ValueError(f"{ENV_CHAOS}={spec!r}: step=N is required")
-    return Fault(kind, fields["step"], fields.get("rank"))
+    required = "step" if kind == "crash" else "ms"
+    if required not in fields:
+        raise ValueError(f"{ENV_CHAOS}={spec!r}: {required}=N is required")
+    return Fault(kind, fields.get("step", 0), fields.get("rank"), fields.get("ms", 0))
 
 
 _cached: tuple[str, Optional[Fault]] = ("", None)
 
 
 def maybe_inject(step: int, rank: int) -> None:
-    """Exit this worker now if ``ELASTICTRAIN_CHAOS`` asks for a fault at (step, rank)."""
+    """Exit or delay this worker now if ``ELASTICTRAIN_CHAOS`` asks for a fault at (step, rank)."""
     global _cached
     spec = os.environ.get(ENV_CHAOS)
     if not spec:
@@ -54,7 +69,13 @@ def maybe_inject(step: int, rank: int) -> None:
         _cached = (spec, parse(spec))
     fault = _cached[1]
     assert fault is not None
-    if step == fault.step and (fault.rank is None or fault.rank == rank):
+    if fault.rank is not None and fault.rank != rank:
+        return
+    if fault.kind == "slow":
+        if step >= fault.step:
+            time.sleep(fault.ms / 1000.0)
+        return
+    if step == fault.step:
         sys.stderr.write(f"elastictrain chaos: {fault.kind} at step {step} on rank {rank} ({ENV_CHAOS}={spec})\n")
         sys.stderr.flush()
         os._exit(CHAOS_EXIT_CODE)

@@ -20,6 +20,7 @@ import pytest
 
 from elastictrain.agent.status import read_events, read_nodes
 from elastictrain.chaos.faults import kill_node
+from elastictrain.chaos.inject import ENV_CHAOS
 from elastictrain.chaos.injectors import is_gone, wait_gone
 from elastictrain.chaos.schedule import Fault
 from elastictrain.checkpoint.manifest import step_dir_name
@@ -31,11 +32,16 @@ from tests.integration.recipe_runs import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-# Steps take ~0.1 s and agents publish their step every 2 s: triggers are spaced by far more than that lag, and the
-# job is long enough for the re-launched node to re-join before it ends.
+# Agents publish their step every 2 s, so a fault fires up to ~2 s after its trigger step. Every step is held to at
+# least 0.15 s (a straggler, ELASTICTRAIN_CHAOS=slow@ms=150, which the re-launched agent inherits): triggers 20
+# steps apart are then >= 3 s apart on any machine, and a 4 s storage-full window holds several saves. Unslowed,
+# steps took 0.06 s on a quiet machine and the chaos command once found the job past two triggers at once, firing
+# storage-full together with the node kill, so that the window held no save. The job is long enough for the
+# re-launched node to re-join before it ends. storage-full comes before the node kill: the kill's restarts outlast
+# its heal, so the corruption never meets a full disk (faults fire in order, but a heal does not hold the next
+# fault back).
 STEPS = 140
-# storage-full comes before the node kill: the kill's restarts outlast its heal, so the corruption never meets a
-# full disk (faults fire in order, but a heal does not hold the next fault back).
+STEP_FLOOR = {ENV_CHAOS: "slow@ms=150"}
 SCHEDULE = ("kill-worker@step=20, storage-full@step=40/4s, kill-node@step=60/2s, corrupt-checkpoint@step=110, "
             "kill-worker")
 
@@ -58,7 +64,7 @@ def job(tmp_path, etcd, run_id):
 
 
 def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(job, tmp_path):
-    a, b = job.start_node("a"), job.start_node("b")
+    a, b = job.start_node("a", STEP_FLOOR), job.start_node("b", STEP_FLOOR)
     deadline = time.monotonic() + 120
     while not _etcd_state(job)[0]:  # the run exists once an agent reported; the chaos command waits for the steps
         assert time.monotonic() < deadline and a.alive(), job.logs()

@@ -1,0 +1,50 @@
+"""In-worker faults chosen by ELASTICTRAIN_CHAOS: parsing with clear errors, a crash exits, a straggler waits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastictrain.chaos.inject import CHAOS_EXIT_CODE, ENV_CHAOS, Fault, maybe_inject, parse
+
+
+def test_both_forms_parse():
+    assert parse("crash@step=10,rank=1") == Fault("crash", 10, 1)
+    assert parse("slow@ms=50") == Fault("slow", 0, None, 50)
+    assert parse("slow@ms=5,step=3,rank=0") == Fault("slow", 3, 0, 5)
+
+
+@pytest.mark.parametrize("spec, must_name", [
+    ("hang@step=1", "unknown fault 'hang'"),
+    ("crash@rank=1", "step=N is required"),
+    ("slow@step=4", "ms=N is required"),
+    ("crash@ms=5,step=1", "bad field 'ms=5'"),
+    ("slow@ms=fast", "bad field 'ms=fast'"),
+])
+def test_bad_specs_name_the_problem(spec, must_name):
+    with pytest.raises(ValueError, match=must_name):
+        parse(spec)
+
+
+def test_a_straggler_waits_from_its_step_on_and_only_on_its_rank(monkeypatch):
+    monkeypatch.setenv(ENV_CHAOS, "slow@ms=60,step=2,rank=1")
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    maybe_inject(1, 1)  # before its step
+    maybe_inject(5, 0)  # another rank
+    assert slept == []
+    maybe_inject(2, 1)
+    maybe_inject(7, 1)
+    assert slept == [0.06, 0.06]
+
+
+def test_a_crash_exits_with_the_chaos_code_at_its_step_only():
+    code = ("from elastictrain.chaos.inject import maybe_inject\n"
+            "maybe_inject(3, 0); maybe_inject(4, 1); print('alive', flush=True); maybe_inject(4, 0)")
+    r = subprocess.run([sys.executable, "-c", code], env={ENV_CHAOS: "crash@step=4,rank=0", "PATH": ""},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == CHAOS_EXIT_CODE and r.stdout == "alive\n", (r.returncode, r.stdout, r.stderr)
+    assert "crash at step 4 on rank 0" in r.stderr
