@@ -25,6 +25,10 @@ class StorageError(CheckpointError):
     """Checkpoint storage (a path or an object store) is unreachable or misconfigured."""
 
 
+class StorageFullError(StorageError):
+    """Checkpoint storage has no space left: a condition that may pass, not a misconfiguration."""
+
+
 class RendezvousError(ElastictrainError):
     """The rendezvous store (etcd) is unreachable, misconfigured, or refused us."""
 

@@ -26,6 +26,8 @@ Failures: a failing save (storage down, bad credentials, disk full) is logged, r
 `on_event("checkpoint_failed", {...})` and retried at the next interval; DCP turns any rank's failure
 into an error on every rank, so all ranks count failures alike. After `max_consecutive_failures`
 failures in a row (if > 0), the next `save()` (the same step on every rank) raises CheckpointError.
+At start-up the storage is probed: a misconfiguration (unreachable, credentials, missing bucket, not
+writable) raises StorageError; a full disk only logs and reports `checkpoint_storage_full {error}`.
 
 Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s}, checkpoint_failed {step, url,
 error, consecutive}, checkpoint_loaded {step, url, world_size, verify_s}, checkpoint_skipped {url, reason},
@@ -61,7 +63,7 @@ from elastictrain.checkpoint.retention import apply_retention
 from elastictrain.checkpoint.staging import ReusedCpuStager
 from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
 from elastictrain.config import CheckpointConfig
-from elastictrain.errors import CheckpointError, CheckpointMismatchError, StorageError
+from elastictrain.errors import CheckpointError, CheckpointMismatchError, StorageError, StorageFullError
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +165,30 @@ class CheckpointManager:
         return out
 
     def _check_storage(self) -> None:
+        """Fail fast on misconfigured storage; a full one is reported and training goes on.
+
+        A full disk is a condition that passes (retention, an operator freeing space), and it may coincide
+        with a restart: refusing to start would turn it into failed restarts, a spent budget and, since
+        no step is made, a crash loop that ends the job. Saves fail as events until there is space again,
+        as they do when storage fills up during a run. Reads (the resume) still work.
+        """
         assert self.storage is not None
-        error = None
+        error: Optional[tuple[bool, str]] = None
         if self.rank == 0:
             try:
                 check_storage(self.storage)
             except StorageError as e:
-                error = str(e)
+                error = (isinstance(e, StorageFullError), str(e))
         error = self._broadcast(error)
-        if error:
-            raise StorageError(error)
+        if error is None:
+            return
+        full, message = error
+        if not full:
+            raise StorageError(message)
+        self.last_error = message
+        if self.rank == 0:
+            log.error("%s; training goes on and saves fail until space is freed", message)
+            self._emit("checkpoint_storage_full", error=message)
 
     # ------------------------------------------------------------------ saving
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from fsspec.core import url_to_fs
 
-from elastictrain.errors import StorageError
+from elastictrain.errors import StorageError, StorageFullError
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def explain_storage_error(exc: BaseException, storage: Storage, action: str = "a
             return StorageError(f"cannot {action} checkpoint storage {url}: bucket {bucket!r} does not exist at "
                                 f"{where}; create it or fix checkpoint.url")
     if getattr(exc, "errno", None) == errno.ENOSPC:
-        return StorageError(f"cannot {action} checkpoint storage {url}: no space left on device; free space "
+        return StorageFullError(f"cannot {action} checkpoint storage {url}: no space left on device; free space "
                             f"or lower checkpoint.keep_last")
     if isinstance(exc, PermissionError) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM,
                                                                            errno.EROFS) \

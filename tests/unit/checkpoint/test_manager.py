@@ -165,3 +165,19 @@ def test_storage_problem_at_startup_is_a_clear_storage_error(tmp_path):
     with pytest.raises(StorageError, match="not writable"):
         manager(tmp_path)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_full_disk_at_startup_is_reported_and_training_can_go_on(tmp_path, monkeypatch):
+    # e.g. a restart while the checkpoint volume is full: refusing to start would spend the restart budget
+    events = []
+    _, state = make_state()
+    manager(tmp_path).save(1, state, blocking=True)
+    import elastictrain.checkpoint.storage as storage_mod
+
+    def full(self, data, rel):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage_mod.Storage, "write_bytes", full)
+    m = manager(tmp_path, events)
+    assert [e[0] for e in events] == ["checkpoint_storage_full"] and "no space left" in events[0][1]["error"]
+    assert m.load_latest(make_state()[1]).step == 1  # the resume still reads
