@@ -119,6 +119,9 @@ class CheckpointConfig:
     """auto: newest valid checkpoint under `url` if any; never: start fresh; or a checkpoint URL."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec (for s3: endpoint_url, key, secret, client_kwargs={region_name: ...})."""
+    storage_wait_s: float = 300.0
+    """At start-up (a first start, or a restart during an object-store outage), how long to wait for an
+    unreachable storage endpoint to come back before failing. Less than train.collective_timeout_s."""
 
 
 @dataclass
@@ -376,6 +379,10 @@ def validate(cfg: JobConfig) -> None:
     if c.url is None and (c.every_steps or c.every_seconds):
         raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
                           "set checkpoint.url (a path or s3://bucket/prefix)")
+    if not 0 <= c.storage_wait_s < t.collective_timeout_s:
+        raise ConfigError(f"checkpoint.storage_wait_s={c.storage_wait_s:g} must be >= 0 and below "
+                          f"train.collective_timeout_s ({t.collective_timeout_s:g}): the other ranks wait for "
+                          f"rank 0's storage check in a collective")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
     if min(e.lease_ttl_s, e.heartbeat_timeout_s, e.rdzv_timeout_s, e.join_grace_s) <= 0 or e.rejoin_wait_s < 0:

@@ -25,6 +25,10 @@ class StorageError(CheckpointError):
     """Checkpoint storage (a path or an object store) is unreachable or misconfigured."""
 
 
+class StorageUnreachableError(StorageError):
+    """The storage endpoint does not answer: an outage that may pass, not a misconfiguration."""
+
+
 class StorageFullError(StorageError):
     """Checkpoint storage has no space left: a condition that may pass, not a misconfiguration."""
 

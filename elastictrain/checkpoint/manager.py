@@ -26,8 +26,9 @@ Failures: a failing save (storage down, bad credentials, disk full) is logged, r
 `on_event("checkpoint_failed", {...})` and retried at the next interval; DCP turns any rank's failure
 into an error on every rank, so all ranks count failures alike. After `max_consecutive_failures`
 failures in a row (if > 0), the next `save()` (the same step on every rank) raises CheckpointError.
-At start-up the storage is probed: a misconfiguration (unreachable, credentials, missing bucket, not
-writable) raises StorageError; a full disk only logs and reports `checkpoint_storage_full {error}`.
+At start-up the storage is probed: a misconfiguration (credentials, missing bucket, not writable) raises
+StorageError; an unreachable endpoint is retried for `storage_wait_s` (`checkpoint_storage_unreachable
+{error}`), then raises; a full disk only logs and reports `checkpoint_storage_full {error}`.
 
 Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s}, checkpoint_failed {step, url,
 error, consecutive}, checkpoint_loaded {step, url, world_size, verify_s}, checkpoint_skipped {url, reason},
@@ -63,9 +64,18 @@ from elastictrain.checkpoint.retention import apply_retention
 from elastictrain.checkpoint.staging import ReusedCpuStager
 from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
 from elastictrain.config import CheckpointConfig
-from elastictrain.errors import CheckpointError, CheckpointMismatchError, StorageError, StorageFullError
+from elastictrain.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    StorageError,
+    StorageFullError,
+    StorageUnreachableError,
+)
 
 log = logging.getLogger(__name__)
+
+STORAGE_RETRY_S = 1.0
+"""First delay between start-up probes of unreachable storage (doubling, at most 10 s)."""
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -176,7 +186,7 @@ class CheckpointManager:
         error: Optional[tuple[bool, str]] = None
         if self.rank == 0:
             try:
-                check_storage(self.storage)
+                self._probe_until_reachable()
             except StorageError as e:
                 error = (isinstance(e, StorageFullError), str(e))
         error = self._broadcast(error)
@@ -189,6 +199,34 @@ class CheckpointManager:
         if self.rank == 0:
             log.error("%s; training goes on and saves fail until space is freed", message)
             self._emit("checkpoint_storage_full", error=message)
+
+    def _probe_until_reachable(self) -> None:
+        """check_storage, retried while the endpoint is unreachable, for up to cfg.storage_wait_s.
+
+        An object store that is down when workers (re)start would otherwise fail every restart: the
+        budget is spent and, with no step made, the job ends as a crash loop. The resume needs the
+        storage anyway, so waiting is the only way forward; misconfigurations fail at once.
+        """
+        assert self.storage is not None
+        deadline = time.monotonic() + self.cfg.storage_wait_s
+        delay, next_log = STORAGE_RETRY_S, 0.0
+        while True:
+            try:
+                check_storage(self.storage)
+                if next_log:
+                    log.info("checkpoint storage %s is reachable again", self.storage.url)
+                return
+            except StorageUnreachableError as e:
+                now = time.monotonic()
+                if now + delay > deadline:
+                    raise StorageUnreachableError(f"{e} (waited {self.cfg.storage_wait_s:g} s, "
+                                                  f"checkpoint.storage_wait_s)") from None
+                if now >= next_log:
+                    log.warning("%s; retrying for up to %.0f s more", e, deadline - now)
+                    self._emit("checkpoint_storage_unreachable", error=str(e))
+                    next_log = now + 30.0
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     # ------------------------------------------------------------------ saving
 

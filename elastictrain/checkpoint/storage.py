@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from fsspec.core import url_to_fs
 
-from elastictrain.errors import StorageError, StorageFullError
+from elastictrain.errors import StorageError, StorageFullError, StorageUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def explain_storage_error(exc: BaseException, storage: Storage, action: str = "a
         if any(s in low for s in ("could not connect", "connect timeout", "connection refused",
                                   "endpointconnectionerror", "cannot connect", "connectionerror",
                                   "name or service not known", "timed out")):
-            return StorageError(f"cannot {action} checkpoint storage {url}: {where} is unreachable ({text}); "
+            return StorageUnreachableError(f"cannot {action} checkpoint storage {url}: {where} is unreachable ({text}); "
                                 f"check that the server is up and set checkpoint.storage_options.endpoint_url "
                                 f"or AWS_ENDPOINT_URL")
         if any(s in low for s in ("invalidaccesskeyid", "signaturedoesnotmatch", "accessdenied", "forbidden",

@@ -47,6 +47,7 @@ def test_overrides_are_typed_and_applied():
     ("", ["train.steps"], "section.field=value"),
     ("", ["elastic.rejoin_wait_s=-1"], "rejoin_wait_s"),
     ("", ["elastic.join_grace_s=0"], "join_grace_s"),
+    ("", ["checkpoint.storage_wait_s=900"], "checkpoint.storage_wait_s"),
 ])
 def test_bad_config_names_the_field_and_the_fix(tmp_path, text, overrides, must_name):
     with pytest.raises(ConfigError) as e:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import uuid
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from elastictrain.checkpoint.manager import CheckpointManager
 from elastictrain.checkpoint.storage import check_storage, open_storage
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import StorageError
+from elastictrain.testing.s3server import S3Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -54,3 +58,21 @@ def test_server_down_at_resume_is_a_storage_error_not_a_fresh_start(s3_bucket):
             mgr.load_latest({"w": torch.zeros(2)})
     finally:
         s3_bucket.server.start()
+
+
+def test_a_start_during_an_s3_outage_waits_for_the_server_then_saves():
+    # A restart while the object store is down: the worker waits instead of failing (and spending the budget).
+    server = S3Server()
+    try:
+        bucket = server.make_bucket(f"b-{uuid.uuid4().hex[:12]}")
+        cfg = CheckpointConfig(url=f"s3://{bucket}/ckpt", storage_wait_s=60,
+                               storage_options={**server.storage_options(), **FAST_FAIL})
+        starter = threading.Timer(2.0, server.start)
+        starter.start()
+        events: list = []
+        mgr = CheckpointManager(cfg, fingerprint={}, on_event=lambda n, f: events.append(n))
+        starter.join()
+        assert "checkpoint_storage_unreachable" in events
+        assert mgr.save(1, {"w": torch.ones(2)}, blocking=True)
+    finally:
+        server.close()

@@ -181,3 +181,28 @@ def test_a_full_disk_at_startup_is_reported_and_training_can_go_on(tmp_path, mon
     m = manager(tmp_path, events)
     assert [e[0] for e in events] == ["checkpoint_storage_full"] and "no space left" in events[0][1]["error"]
     assert m.load_latest(make_state()[1]).step == 1  # the resume still reads
+
+
+def test_unreachable_storage_at_startup_is_waited_for_then_a_clear_error(tmp_path, monkeypatch):
+    import elastictrain.checkpoint.manager as mgr_mod
+    from elastictrain.errors import StorageError, StorageUnreachableError
+
+    outage = {"probes_left": 2}
+    real_check = mgr_mod.check_storage
+
+    def flaky(storage):
+        if outage["probes_left"] > 0:
+            outage["probes_left"] -= 1
+            raise StorageUnreachableError("cannot write checkpoint storage s3://b/p: S3 endpoint x is unreachable")
+        real_check(storage)
+
+    slept: list[float] = []
+    monkeypatch.setattr(mgr_mod, "check_storage", flaky)
+    monkeypatch.setattr(mgr_mod.time, "sleep", slept.append)
+    events = []
+    manager(tmp_path, events, storage_wait_s=60)  # the outage passes: no error
+    assert slept == [1.0, 2.0] and [e[0] for e in events] == ["checkpoint_storage_unreachable"]
+
+    outage["probes_left"] = 10**6
+    with pytest.raises(StorageError, match="unreachable.*waited 5 s, checkpoint.storage_wait_s"):
+        manager(tmp_path, storage_wait_s=5)
