@@ -119,9 +119,10 @@ class CheckpointConfig:
     """auto: newest valid checkpoint under `url` if any; never: start fresh; or a checkpoint URL."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to fsspec (for s3: endpoint_url, key, secret, client_kwargs={region_name: ...})."""
-    storage_wait_s: float = 300.0
+    storage_wait_s: Optional[float] = None
     """At start-up (a first start, or a restart during an object-store outage), how long to wait for an
-    unreachable storage endpoint to come back before failing. Less than train.collective_timeout_s."""
+    unreachable storage endpoint to come back before failing. None: half of train.collective_timeout_s, at
+    most 300 s. Must stay below train.collective_timeout_s (the other ranks wait in a collective)."""
 
 
 @dataclass
@@ -338,7 +339,7 @@ def config_from_dict(data: dict[str, Any]) -> JobConfig:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Check values and combinations; raise ConfigError naming the field and the fix."""
+    """Check values and combinations (and fill in derived defaults); raise ConfigError naming the field and the fix."""
     d, t, o, c, e = cfg.data, cfg.train, cfg.optim, cfg.checkpoint, cfg.elastic
     positive = {
         "train.steps": t.steps, "data.seq_len": d.seq_len, "data.global_batch_size": d.global_batch_size,
@@ -379,6 +380,8 @@ def validate(cfg: JobConfig) -> None:
     if c.url is None and (c.every_steps or c.every_seconds):
         raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
                           "set checkpoint.url (a path or s3://bucket/prefix)")
+    if c.storage_wait_s is None:
+        c.storage_wait_s = min(300.0, t.collective_timeout_s / 2)
     if not 0 <= c.storage_wait_s < t.collective_timeout_s:
         raise ConfigError(f"checkpoint.storage_wait_s={c.storage_wait_s:g} must be >= 0 and below "
                           f"train.collective_timeout_s ({t.collective_timeout_s:g}): the other ranks wait for "

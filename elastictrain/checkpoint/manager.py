@@ -74,6 +74,9 @@ from elastictrain.errors import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STORAGE_WAIT_S = 300.0
+"""How long start-up waits for unreachable storage when the config leaves it open (see CheckpointConfig)."""
+
 STORAGE_RETRY_S = 1.0
 """First delay between start-up probes of unreachable storage (doubling, at most 10 s)."""
 
@@ -208,7 +211,8 @@ class CheckpointManager:
         storage anyway, so waiting is the only way forward; misconfigurations fail at once.
         """
         assert self.storage is not None
-        deadline = time.monotonic() + self.cfg.storage_wait_s
+        wait = DEFAULT_STORAGE_WAIT_S if self.cfg.storage_wait_s is None else self.cfg.storage_wait_s
+        deadline = time.monotonic() + wait
         delay, next_log = STORAGE_RETRY_S, 0.0
         while True:
             try:
@@ -219,7 +223,7 @@ class CheckpointManager:
             except StorageUnreachableError as e:
                 now = time.monotonic()
                 if now + delay > deadline:
-                    raise StorageUnreachableError(f"{e} (waited {self.cfg.storage_wait_s:g} s, "
+                    raise StorageUnreachableError(f"{e} (waited {wait:g} s, "
                                                   f"checkpoint.storage_wait_s)") from None
                 if now >= next_log:
                     log.warning("%s; retrying for up to %.0f s more", e, deadline - now)

@@ -78,3 +78,10 @@ def test_fingerprint_changes_with_model_shape_not_with_steps():
     c = load_config(None, ["model.overrides.hidden_size=128"])
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint()["model"] != c.fingerprint()["model"]
+
+
+def test_the_storage_wait_defaults_below_the_collective_timeout(tmp_path):
+    # rank 0's start-up wait for unreachable storage must end before the other ranks' collective times out
+    assert load_config(write(tmp_path, ""), []).checkpoint.storage_wait_s == 300
+    short = load_config(write(tmp_path, ""), ["train.collective_timeout_s=120"])
+    assert short.checkpoint.storage_wait_s == 60
