@@ -220,9 +220,9 @@ def recovery_stats(done: list[Completed], fault_at: float, after: Completed) -> 
     # the furthest any earlier group got; the new group starts again from its checkpoint
     older = [c for c in done if c.seq < after.seq]
     reached = max(c.step for c in older)
-    last_old = max([c.time for c in older if c.time <= after.time], default=fault_at)
+    last_old = max((c.time for c in older if c.time <= after.time), default=fault_at)
     return {"recovered": True, "recovery_s": round(after.time - fault_at, 2),
-            "stall_s": round(after.time - min(max(last_old, fault_at), after.time), 2),
+            "stall_s": round(after.time - max(last_old, fault_at), 2),
             "steps_lost": max(0, reached + 1 - first.step), "resumed_at_step": first.step, "world": after.world}
 
 

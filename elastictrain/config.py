@@ -98,6 +98,10 @@ class TrainConfig:
     """Append every step's consumed sample ids per rank to <output_dir>/samples/ (exactly-once audits)."""
 
 
+DEFAULT_STORAGE_WAIT_S = 300.0
+"""The longest start-up wait for unreachable checkpoint storage when `checkpoint.storage_wait_s` is left open."""
+
+
 @dataclass
 class CheckpointConfig:
     url: Optional[str] = None
@@ -122,7 +126,8 @@ class CheckpointConfig:
     storage_wait_s: Optional[float] = None
     """At start-up (a first start, or a restart during an object-store outage), how long to wait for an
     unreachable storage endpoint to come back before failing. None: half of train.collective_timeout_s, at
-    most 300 s. Must stay below train.collective_timeout_s (the other ranks wait in a collective)."""
+    most DEFAULT_STORAGE_WAIT_S. Must stay below train.collective_timeout_s (the other ranks wait in a
+    collective)."""
 
 
 @dataclass
@@ -381,7 +386,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
                           "set checkpoint.url (a path or s3://bucket/prefix)")
     if c.storage_wait_s is None:
-        c.storage_wait_s = min(300.0, t.collective_timeout_s / 2)
+        c.storage_wait_s = min(DEFAULT_STORAGE_WAIT_S, t.collective_timeout_s / 2)
     if not 0 <= c.storage_wait_s < t.collective_timeout_s:
         raise ConfigError(f"checkpoint.storage_wait_s={c.storage_wait_s:g} must be >= 0 and below "
                           f"train.collective_timeout_s ({t.collective_timeout_s:g}): the other ranks wait for "

@@ -63,7 +63,7 @@ from elastictrain.checkpoint.manifest import CheckpointMetadata, library_version
 from elastictrain.checkpoint.retention import apply_retention
 from elastictrain.checkpoint.staging import ReusedCpuStager
 from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
-from elastictrain.config import CheckpointConfig
+from elastictrain.config import DEFAULT_STORAGE_WAIT_S, CheckpointConfig
 from elastictrain.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -73,9 +73,6 @@ from elastictrain.errors import (
 )
 
 log = logging.getLogger(__name__)
-
-DEFAULT_STORAGE_WAIT_S = 300.0
-"""How long start-up waits for unreachable storage when the config leaves it open (see CheckpointConfig)."""
 
 STORAGE_RETRY_S = 1.0
 """First delay between start-up probes of unreachable storage (doubling, at most 10 s)."""

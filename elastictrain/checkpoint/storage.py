@@ -193,9 +193,9 @@ def explain_storage_error(exc: BaseException, storage: Storage, action: str = "a
         if any(s in low for s in ("could not connect", "connect timeout", "connection refused",
                                   "endpointconnectionerror", "cannot connect", "connectionerror",
                                   "name or service not known", "timed out")):
-            return StorageUnreachableError(f"cannot {action} checkpoint storage {url}: {where} is unreachable ({text}); "
-                                f"check that the server is up and set checkpoint.storage_options.endpoint_url "
-                                f"or AWS_ENDPOINT_URL")
+            return StorageUnreachableError(
+                f"cannot {action} checkpoint storage {url}: {where} is unreachable ({text}); check that the server "
+                f"is up and set checkpoint.storage_options.endpoint_url or AWS_ENDPOINT_URL")
         if any(s in low for s in ("invalidaccesskeyid", "signaturedoesnotmatch", "accessdenied", "forbidden",
                                   "403", "nocredentials", "unable to locate credentials")) \
                 or isinstance(exc, PermissionError):
@@ -208,7 +208,7 @@ def explain_storage_error(exc: BaseException, storage: Storage, action: str = "a
                                 f"{where}; create it or fix checkpoint.url")
     if getattr(exc, "errno", None) == errno.ENOSPC:
         return StorageFullError(f"cannot {action} checkpoint storage {url}: no space left on device; free space "
-                            f"or lower checkpoint.keep_last")
+                                f"or lower checkpoint.keep_last")
     if isinstance(exc, PermissionError) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM,
                                                                            errno.EROFS) \
             or (storage.is_local and isinstance(exc, OSError)):

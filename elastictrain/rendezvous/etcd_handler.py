@@ -43,11 +43,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _NodeDesc,
 )
 
-from elastictrain.errors import RendezvousError
 from elastictrain.rendezvous.backend import EtcdV3Backend
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.liveness import NodeLiveness
-from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings
+from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings, conf_seconds
 from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
 from elastictrain.rendezvous.store import EtcdStore
 
@@ -161,20 +160,8 @@ def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: Etc
         logger.info("cleared the finished rendezvous of an earlier job with run id '%s'", settings.run_id)
 
 
-def _seconds(params: RendezvousParameters, key: str, allow_zero: bool = False) -> float:
-    value = params.get(key, DEFAULTS[key])
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not (number >= 0 if allow_zero else number > 0):
-        what = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
-        raise RendezvousError(f"rdzv-conf {key}={value!r} must be {what}")
-    return number
-
-
 def _timeout(params: RendezvousParameters, key: str) -> timedelta:
-    return timedelta(seconds=_seconds(params, key))
+    return timedelta(seconds=conf_seconds(params.config, key))
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -211,7 +198,7 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     liveness.start()
     state_holder.watch(client)
     handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness,
-                                    rejoin_wait=_seconds(params, "rejoin_wait", allow_zero=True))
+                                    rejoin_wait=conf_seconds(params.config, "rejoin_wait", allow_zero=True))
     logger.info(
         "etcd3 rendezvous '%s' on %s as node %s (lease ttl %s s)",
         params.run_id, settings.endpoints_str(), handler.this_node, settings.lease_ttl,

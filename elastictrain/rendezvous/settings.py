@@ -70,14 +70,15 @@ def parse_endpoints(spec: str) -> list[EtcdEndpoint]:
     return endpoints
 
 
-def _as_float(conf: dict[str, Any], key: str) -> float:
+def conf_seconds(conf: dict[str, Any], key: str, allow_zero: bool = False) -> float:
+    """A `--rdzv-conf` number (seconds): positive, or >= 0 with `allow_zero`; its default when absent."""
     value = conf.get(key, DEFAULTS[key])
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise RendezvousError(f"rdzv-conf {key}={value!r} is not a number") from None
-    if number <= 0:
-        raise RendezvousError(f"rdzv-conf {key}={value!r} must be positive")
+    if not number >= 0 or (number == 0 and not allow_zero):  # NaN fails too
+        raise RendezvousError(f"rdzv-conf {key}={value!r} must be {'>= 0' if allow_zero else 'positive'}")
     return number
 
 
@@ -117,7 +118,7 @@ class EtcdSettings:
         """Build settings from `--rdzv-endpoint`, `--rdzv-id` and the `--rdzv-conf` dict."""
         if not run_id or "/" in run_id:
             raise RendezvousError(f"invalid --rdzv-id {run_id!r}: it must be non-empty and contain no '/'")
-        ttl = _as_float(conf, "lease_ttl")
+        ttl = conf_seconds(conf, "lease_ttl")
         if ttl < 2:
             # etcd refuses (rounds up) TTLs under its election-derived minimum of ~2 s.
             raise RendezvousError(f"rdzv-conf lease_ttl={ttl:g} is too short: etcd needs at least 2 s")
@@ -132,9 +133,9 @@ class EtcdSettings:
             run_id=run_id,
             key_prefix=str(conf.get("key_prefix", DEFAULTS["key_prefix"])),
             lease_ttl=int(round(ttl)),
-            connect_timeout=_as_float(conf, "connect_timeout"),
-            request_timeout=_as_float(conf, "request_timeout"),
-            outage_tolerance=_as_float(conf, "outage_tolerance"),
+            connect_timeout=conf_seconds(conf, "connect_timeout"),
+            request_timeout=conf_seconds(conf, "request_timeout"),
+            outage_tolerance=conf_seconds(conf, "outage_tolerance"),
             cacert=conf.get("cacert"),
             cert=cert,
             key=key,

@@ -75,15 +75,13 @@ def test_run_id_must_be_a_single_path_segment(run_id: str) -> None:
 
 
 def test_rendezvous_timeouts_take_fractions_and_bad_values_name_the_key() -> None:
-    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+    from elastictrain.rendezvous.settings import conf_seconds
 
-    from elastictrain.rendezvous.etcd_handler import _seconds
-
-    params = RendezvousParameters("etcd3", "127.0.0.1:2379", "run", 1, 2, last_call_timeout="0.5", rejoin_wait="0")
-    assert _seconds(params, "last_call_timeout") == 0.5
-    assert _seconds(params, "rejoin_wait", allow_zero=True) == 0.0
+    conf = {"last_call_timeout": "0.5", "rejoin_wait": "0"}
+    assert conf_seconds(conf, "last_call_timeout") == 0.5
+    assert conf_seconds(conf, "rejoin_wait", allow_zero=True) == 0.0
+    assert conf_seconds({}, "rejoin_wait", allow_zero=True) == DEFAULTS["rejoin_wait"]
     for key, value, allow_zero in (("last_call_timeout", "0", False), ("rejoin_wait", "-1", True),
-                                   ("rejoin_wait", "soon", True)):
-        bad = RendezvousParameters("etcd3", "127.0.0.1:2379", "run", 1, 2, **{key: value})
+                                   ("rejoin_wait", "soon", True), ("rejoin_wait", "nan", True)):
         with pytest.raises(RendezvousError, match=f"rdzv-conf {key}="):
-            _seconds(bad, key, allow_zero=allow_zero)
+            conf_seconds({key: value}, key, allow_zero=allow_zero)

@@ -153,3 +153,38 @@ def test_only_a_participant_completes_and_only_within_min_and_max_nodes() -> Non
     full = _forming_round(A, B)
     full.complete = True
     assert not _may(full, alive={A, B})
+
+
+class CachedLiveness:
+    """A watch cache that missed a node record put a moment ago; etcd itself knows it."""
+
+    def __init__(self, cached: set[_NodeDesc], in_etcd: set[_NodeDesc]) -> None:
+        self._alive = {node_id(n) for n in cached}
+        self._etcd = {node_id(n) for n in in_etcd}
+        self.reads = 0
+
+    def alive_nodes(self) -> set[str]:
+        return set(self._alive)
+
+    def confirm_alive(self, node_ids: set[str]) -> set[str]:
+        self.reads += 1
+        self._alive = set(self._etcd)
+        return node_ids & self._alive
+
+
+def _decide(liveness: CachedLiveness):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action
+
+    holder = LeaseAwareStateHolder(FakeBackend(_RendezvousState()), SETTINGS, FakeLiveness(set()))
+    executor = WatchingOpExecutor(A, holder, SETTINGS, liveness)
+    ctx = _RendezvousContext(A, _forming_round(A, B), SETTINGS)
+    return executor._early_completion(ctx, _Action.SYNC), _Action
+
+
+def test_early_completion_is_decided_on_a_fresh_read_not_the_watch_cache() -> None:
+    late = CachedLiveness(cached={A, B}, in_etcd={A, B, C})  # C registered, the watch has not told us yet
+    action, actions = _decide(late)
+    assert action == actions.SYNC and late.reads == 1
+    everyone = CachedLiveness(cached={A, B}, in_etcd={A, B})
+    action, actions = _decide(everyone)
+    assert action == actions.MARK_RENDEZVOUS_COMPLETE
