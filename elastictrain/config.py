@@ -137,6 +137,17 @@ class ElasticConfig:
     nproc_per_node: int = 2
     max_restarts: int = 3
     """Restart budget for the whole job (not per agent)."""
+    crash_loop_restarts: int = 3
+    """End the job when this many restarts in a row failed at the same step (0: off)."""
+    max_no_progress_restarts: int = 5
+    """End the job when this many restarts in a row committed no checkpoint newer than the one they resumed from
+    (0: off)."""
+    restart_backoff_s: float = 1.0
+    """Wait before the 2nd restart in a row without progress, doubling for each further one (the 1st is
+    immediate; 0: no backoff)."""
+    restart_backoff_max_s: float = 60.0
+    restart_backoff_jitter: float = 0.25
+    """Each wait varies by up to this fraction either way (the same on every node of a job)."""
     rdzv_endpoint: Optional[str] = None
     """host:port[,host:port...] of etcd; None starts an embedded local etcd."""
     run_id: str = "elastictrain"
@@ -396,8 +407,14 @@ def validate(cfg: JobConfig) -> None:
     if min(e.lease_ttl_s, e.heartbeat_timeout_s, e.rdzv_timeout_s, e.join_grace_s) <= 0 or e.rejoin_wait_s < 0:
         raise ConfigError("elastic timeouts (lease_ttl_s, heartbeat_timeout_s, rdzv_timeout_s, join_grace_s) must "
                           "be > 0 and rejoin_wait_s >= 0")
-    if e.max_restarts < 0:
-        raise ConfigError(f"elastic.max_restarts must be >= 0 (got {e.max_restarts})")
+    for name in ("max_restarts", "crash_loop_restarts", "max_no_progress_restarts"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"elastic.{name} must be >= 0 (got {getattr(e, name)})")
+    if not 0 <= e.restart_backoff_s <= e.restart_backoff_max_s:
+        raise ConfigError(f"elastic.restart_backoff_s={e.restart_backoff_s:g} must be >= 0 and at most "
+                          f"elastic.restart_backoff_max_s={e.restart_backoff_max_s:g}")
+    if not 0 <= e.restart_backoff_jitter < 1:
+        raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
     if t.stop_at < 0:
         raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
     if t.collective_timeout_s <= 0:

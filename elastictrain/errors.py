@@ -4,6 +4,9 @@
 class ElastictrainError(Exception):
     """Base class of every error this package raises on purpose."""
 
+    restartable = False
+    """Whether restarting the worker can fix it; a worker ends with EXIT_FATAL on one that cannot."""
+
 
 class ConfigError(ElastictrainError):
     """The job configuration is invalid (a field, a type, or a combination)."""
@@ -28,9 +31,13 @@ class StorageError(CheckpointError):
 class StorageUnreachableError(StorageError):
     """The storage endpoint does not answer: an outage that may pass, not a misconfiguration."""
 
+    restartable = True
+
 
 class StorageFullError(StorageError):
     """Checkpoint storage has no space left: a condition that may pass, not a misconfiguration."""
+
+    restartable = True
 
 
 class RendezvousError(ElastictrainError):

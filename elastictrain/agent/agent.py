@@ -28,11 +28,13 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.budget import (
+    CrashLoopError, FatalWorkerError, NoProgressError, RestartBudget, RestartBudgetExhausted, fatal_message,
+)
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
 from elastictrain.agent.spares import WarmPool
 from elastictrain.errors import AgentError
-from elastictrain.runtime.exitcodes import EXIT_REFORM
+from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_REFORM
 from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ MAX_MONITOR_INTERVAL_S = 0.5
 _MAX_DRAIN = 10_000
 _UNIX_PATH_MAX = 107
 
-EVENT_KINDS = ("join", "restart", "failure", "hang", "reform", "succeeded", "leave")
+EVENT_KINDS = ("join", "restart", "failure", "hang", "reform", "succeeded", "leave", "fatal", "budget_exhausted",
+               "crash_loop", "no_progress")
 """Kinds passed to ``AgentEventListener.on_event``."""
 
 
@@ -64,7 +67,7 @@ class AgentEventListener(Protocol):
 
 
 class JsonlEventLog:
-    """Appends events as JSON lines to a local file (operators and tests; etcd comes later)."""
+    """Appends events as JSON lines to a local file (`--event-log`); etcd gets them from `EtcdStatusPublisher`."""
 
     def __init__(self, path: str):
         self._path = path
@@ -137,6 +140,7 @@ class ElasticAgent(LocalElasticAgent):
         self._budget = budget
         self._reform = False
         self._last_cause = ""
+        self._fatal: str | None = None
         self._hostname = socket.gethostname()
         self._warm: WarmPool | None = None
         self._refill = False
@@ -251,25 +255,41 @@ class ElasticAgent(LocalElasticAgent):
                    global_ranks={w.local_rank: w.global_rank for w in workers})
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._fatal is not None:
+            raise FatalWorkerError(fatal_message(self._node_id(), self._fatal))
         failed = worker_group.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}
         if failed and self._reform:
             # Workers stopped cleanly because a peer node drained: re-form, free of charge.
             self._remaining_restarts += 1
             failed = False
         self._reform = False
-        if failed and self._budget is not None:
-            steps = [w.step for w in self._health.workers.values() if w.step is not None]
-            try:
-                rec = self._budget.charge(_rdzv_round(worker_group), self._node_id(), self._last_cause,
-                                          max(steps) if steps else None)
-            except AgentError as e:
-                self._emit("budget_exhausted", cause=str(e))
-                raise
-            log.info("restart charged to round %d (%d of %d used)", rec.round, self._budget.used(tolerant=True),
-                     self._budget.max_restarts)
+        backoff = self._charge_restart(worker_group) if failed and self._budget is not None else 0.0
         self._emit("restart", reason="failure" if failed else "membership change",
-                   remaining_restarts=self._remaining_restarts)
-        super()._restart_workers(worker_group)
+                   remaining_restarts=self._remaining_restarts, backoff_s=round(backoff, 2))
+        # torch's _restart_workers, with the backoff between stopping the old group and joining the next round.
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        if backoff > 0:
+            log.warning("restart backoff: the last restarts made no progress; waiting %.1fs before re-joining",
+                        backoff)
+            time.sleep(backoff)
+        self._initialize_workers(worker_group)
+
+    def _charge_restart(self, worker_group: WorkerGroup) -> float:
+        """Charge this failure to the job-wide budget; returns the backoff to wait, raises when the job must end."""
+        assert self._budget is not None
+        workers = self._health.workers.values()
+        steps = [w.step for w in workers if w.step is not None]
+        resumed = [w.first_step for w in workers if w.first_step is not None]
+        try:
+            rec = self._budget.charge(_rdzv_round(worker_group), self._node_id(), self._last_cause,
+                                      max(steps) if steps else None, min(resumed) if resumed else None)
+        except AgentError as e:
+            self._emit(_END_EVENT.get(type(e), "budget_exhausted"), cause=str(e))
+            raise
+        log.info("restart charged to round %d (%d of %d used)", rec.round, self._budget.used(tolerant=True),
+                 self._budget.max_restarts)
+        return self._budget.backoff_s()
 
     def _node_id(self) -> str:
         return getattr(self._worker_group.spec.rdzv_handler, "this_node", None) or f"{self._hostname}_{os.getpid()}"
@@ -328,9 +348,22 @@ class ElasticAgent(LocalElasticAgent):
             self._last_cause = cause
             log.error("[%s] worker group %s: %s", worker_group.spec.role, result.state.value, cause)
             self._emit("failure", state=result.state.value, cause=cause, failures=failures)
+            fatal = [f for f in failures if f["exitcode"] == EXIT_FATAL]
+            if fatal:
+                self._record_fatal("; ".join(f"rank {f['global_rank']}: {f['message']}" for f in fatal))
         elif result.state == WorkerState.SUCCEEDED:
             self._emit("succeeded")
         return result
+
+    def _record_fatal(self, cause: str) -> None:
+        """A worker error that restarting cannot fix: tell every node (etcd) before this one ends the job."""
+        if self._budget is not None:
+            try:
+                cause = self._budget.record_fatal(self._node_id(), cause).cause
+            except Exception as e:  # etcd down: this node still ends; the others learn it from the closed round
+                log.warning("could not record the fatal error in etcd: %s", e)
+        self._fatal = cause
+        self._emit("fatal", cause=cause)
 
     def _group_training(self) -> bool:
         """Every local worker has reported a training step: the group's start-up is over."""
@@ -392,6 +425,8 @@ class ElasticAgent(LocalElasticAgent):
             "restart_count": wg.spec.max_restarts - self._remaining_restarts,
         }
         base.update(fields)
+        if kind == "checkpoint_saved" and self._budget is not None and isinstance(fields.get("step"), int):
+            self._budget.note_committed(fields["step"])  # what the restart policy calls progress
         for listener in self._listeners:
             try:
                 listener.on_event(kind, base)
@@ -413,10 +448,18 @@ _NO_ERROR_FILE = "To enable traceback see:"
 
 
 def _failure_message(failure: ProcessFailure) -> str:
+    message: Any = failure.message
+    if isinstance(message, dict):  # torch's @record writes {"message": "Type: text", "extraInfo": {...}}
+        message = str(message.get("message", message))
     # A bare exit code (os._exit, a crash in native code) otherwise reads as a link to torch's docs.
-    if failure.exitcode > 0 and failure.message.startswith(_NO_ERROR_FILE):
+    if failure.exitcode > 0 and message.startswith(_NO_ERROR_FILE):
         return f"exited with code {failure.exitcode} (pid {failure.pid}, no Python traceback recorded)"
-    return failure.message
+    return message
+
+
+_END_EVENT: dict[type, str] = {FatalWorkerError: "fatal", CrashLoopError: "crash_loop",
+                               NoProgressError: "no_progress", RestartBudgetExhausted: "budget_exhausted"}
+"""The event that says why the restart policy ended the job."""
 
 
 def _failure_fields(global_rank: int, failure: ProcessFailure) -> dict[str, Any]:

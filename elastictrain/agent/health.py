@@ -66,6 +66,8 @@ class WorkerHealth:
     last_progress: float | None = None
     # worker-clock time and step of the previous train beat, the baseline of the next step-time sample
     train_mark: tuple[float, int] | None = None
+    first_step: int | None = None
+    """The step of its first train beat: where this group resumed (the restart policy judges progress by it)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class HealthMonitor:
         if w is None or w.pid != beat.pid:
             return False
         if beat.phase == "train":
+            if w.first_step is None:
+                w.first_step = beat.step
             progressed = w.phase != "train" or w.step is None or beat.step > w.step
             mark = w.train_mark
             if mark is None or beat.step > mark[1]:

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import asdict
 from typing import Any, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -22,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
-from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPolicy
 from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
 from elastictrain.agent.launch import get_args_parser, launch, parse_args
 from elastictrain.agent.control import ControlRelay
@@ -32,6 +33,7 @@ from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.exitcodes import EXIT_FATAL
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +105,18 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
         client = EtcdClient(settings)
         client.connect()
         stack.callback(client.close)
-        budget = RestartBudget(client, settings.run_prefix, request.config.max_restarts)
+        e = cfg.elastic
+        policy = RestartPolicy(
+            max_restarts=request.config.max_restarts, crash_loop_restarts=e.crash_loop_restarts,
+            max_no_progress_restarts=e.max_no_progress_restarts, backoff_s=e.restart_backoff_s,
+            backoff_max_s=e.restart_backoff_max_s, backoff_jitter=e.restart_backoff_jitter)
+        budget = RestartBudget(client, settings.run_prefix, policy=policy)
         ckpt_url = _checkpoint_url(cfg.checkpoint.url)
         publish_job(client, settings.run_prefix, JobRecord(
             run_id=run_id, config=os.path.abspath(config_path), checkpoint_url=ckpt_url, fingerprint=cfg.fingerprint(),
             max_restarts=request.config.max_restarts, min_nodes=request.config.min_nodes,
             max_nodes=request.config.max_nodes, nproc_per_node=request.config.nproc_per_node, steps=cfg.train.steps,
-            started=time.time()))
+            started=time.time(), restart_policy=asdict(policy)))
         publisher: Optional[EtcdStatusPublisher] = None
         agent_ref: dict[str, Any] = {}
         relay = ControlRelay(client, settings.run_prefix, lambda: publisher.node if publisher else None,
@@ -155,9 +162,10 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
             return 0 if e.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(e.sigval)
         except AgentError as e:
             log.error("%s", e)
-            return 1
+            return _exit_code(e)
         except RendezvousClosedError:
-            # Another node ended the job (crash loop, spent budget) and closed the rendezvous; say why here too.
+            # Another node ended the job (crash loop, spent budget, a fatal worker error) and closed the
+            # rendezvous; say why here too.
             why = budget.final_error()
             if why is None and _succeeded(client, settings.run_prefix):
                 # A node started (or re-joined) after the others finished: nothing is left to train.
@@ -165,8 +173,13 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
                 return 0
             log.error("rendezvous of run %s was closed by another node: %s", run_id,
                       why or "the job has ended on another node; see `elastictrain events`")
-            return 1
+            return _exit_code(why)
     return 0
+
+
+def _exit_code(error: Optional[AgentError]) -> int:
+    """EXIT_FATAL when a worker error ended the job (a scheduler should not resubmit it unchanged), else 1."""
+    return EXIT_FATAL if isinstance(error, FatalWorkerError) else 1
 
 
 def _succeeded(client: EtcdClient, run_prefix: str) -> bool:

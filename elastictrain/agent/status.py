@@ -8,6 +8,8 @@ Keys, all under the run's prefix (`/elastictrain/<run_id>`):
                             config fingerprint, budget); read by `elastictrain status` and the dashboard.
     events/<t_ns>-<node>    one Event (JSON) per agent event, append-only; keys sort by time.
     restarts/<round>        RestartRecord: the job-wide restart budget (see `budget.py`).
+    fatal                   FatalRecord: the worker error that ended the job without a restart.
+    committed               the newest committed checkpoint step agents heard of (restart progress).
 
 Publishing never blocks or fails training: etcd errors are logged and the next beat tries again.
 """
@@ -36,7 +38,7 @@ DEFAULT_STATUS_INTERVAL_S = 2.0
 # event kind -> the node state it leaves behind
 _STATE_AFTER = {"join": "running", "failure": "recovering", "hang": "recovering", "restart": "rendezvous",
                 "succeeded": "succeeded", "leave": "left", "drain": "left", "budget_exhausted": "failed",
-                "crash_loop": "failed"}
+                "crash_loop": "failed", "no_progress": "failed", "fatal": "failed"}
 
 
 @dataclass
@@ -87,6 +89,8 @@ class JobRecord:
     nproc_per_node: int
     steps: int
     started: float
+    restart_policy: Optional[dict[str, Any]] = None
+    """`RestartPolicy` fields: how `status` judges restarts without progress and their backoff."""
 
     @classmethod
     def from_json(cls, data: bytes) -> "JobRecord":

@@ -77,6 +77,13 @@ class JobView:
     restarts_used: int
     max_restarts: int
     pause_requested: bool
+    fatal: Optional[str] = None
+    """The worker error that ended the job without a restart (restartable only after a fix)."""
+    no_progress_restarts: int = 0
+    """Restarts in a row, up to the newest, whose group committed no newer checkpoint."""
+    max_no_progress_restarts: int = 0
+    backoff_s: float = 0.0
+    """The wait before the newest restart (restart backoff)."""
     rendezvous: Optional[Rendezvous] = None
     checkpoint: Optional[CheckpointView] = None
     checkpoint_url: Optional[str] = None
@@ -107,7 +114,7 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
 
 
 def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,
-           pause_since: Optional[float] = None,
+           pause_since: Optional[float] = None, fatal: Optional[str] = None,
            stale_after_s: float = DEFAULT_STALE_AFTER_S,
            max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
     """Judge a job from its node records (pure: no I/O)."""
@@ -119,7 +126,12 @@ def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested:
     since: Optional[float] = None
     failed = [m for m in members if m.state == "failed"]
     lost = [m for m in members if m.state == "lost"]
-    if failed:
+    if fatal is not None:
+        # Whatever the nodes last said (a node may still be leaving): restarting cannot fix it.
+        state = "failed"
+        problems.append(f"a worker error that restarting cannot fix ended the job: {fatal}")
+        since = max((m.state_since for m in failed), default=None)
+    elif failed:
         state = "failed"
         problems += [f"node {m.node} failed ({m.last_event})" for m in failed]
         since = max(m.state_since for m in failed)
@@ -150,7 +162,7 @@ def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested:
     steps = [m.step for m in live if m.step is not None] or [m.step for m in members if m.step is not None]
     return JobView(run_id=run_id, state=state, healthy=not problems, problems=problems, since=since,
                    step=max(steps) if steps else None, members=members, restarts_used=restarts_used,
-                   max_restarts=max_restarts, pause_requested=pause_requested, time=now)
+                   max_restarts=max_restarts, pause_requested=pause_requested, fatal=fatal, time=now)
 
 
 def event_dict(e: Event) -> dict[str, Any]:
@@ -190,17 +202,24 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
             stale_after_s: float = DEFAULT_STALE_AFTER_S,
             max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
     """Read everything `status` shows and judge it."""
+    from elastictrain.agent.budget import RestartBudget, RestartPolicy
     from elastictrain.agent.control import ControlRequest, pause_key
     from elastictrain.agent.metrics import latest_checkpoint
 
     client, prefix = target.client, target.prefix
     nodes = read_nodes(client, prefix)
     pause = client.get(pause_key(prefix))
+    job: Optional[JobRecord] = read_job(client, prefix)
+    policy = RestartPolicy(**job.restart_policy) if job is not None and job.restart_policy else RestartPolicy()
+    restarts = RestartBudget(client, prefix, policy=policy).state()
     view = derive(target.settings.run_id, nodes, time.time(), pause_requested=pause is not None,
                   pause_since=ControlRequest.from_json(pause[0]).time if pause else None,
+                  fatal=restarts.fatal.cause if restarts.fatal else None,
                   stale_after_s=stale_after_s, max_recovering_s=max_recovering_s)
+    view.restarts_used = max(view.restarts_used, restarts.used)
+    view.no_progress_restarts, view.backoff_s = restarts.no_progress, restarts.backoff_s
+    view.max_no_progress_restarts = policy.max_no_progress_restarts
     view.rendezvous = read_rendezvous(client, prefix)
-    job: Optional[JobRecord] = read_job(client, prefix)
     if job is not None:
         view.checkpoint_url = job.checkpoint_url
         view.max_restarts = max(view.max_restarts, job.max_restarts)

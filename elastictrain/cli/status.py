@@ -68,7 +68,7 @@ def render(view: JobView) -> str:
     if r is not None:
         out.append(f"rendezvous: round {r.round}, {'complete' if r.complete else 'forming'}"
                    f"{', closed' if r.closed else ''}, {r.participants} participant(s), {r.waiting} waiting")
-    out.append(f"restarts:   {view.restarts_used} of {view.max_restarts} used")
+    out.append(f"restarts:   {view.restarts_used} of {view.max_restarts} used{_no_progress(view)}")
     c = view.checkpoint
     if c is not None:
         out.append(f"checkpoint: step {c.step}, {_ago(c.age_s)} ago, {c.url}")
@@ -91,6 +91,15 @@ def render(view: JobView) -> str:
         out.append("recent events:")
         out += [f"  {format_event(e)}" for e in view.events]
     return "\n".join(out)
+
+
+def _no_progress(view: JobView) -> str:
+    """The restarts in a row without progress, against their limit, and the backoff they cost."""
+    if not view.no_progress_restarts or not view.restarts_used:
+        return ""
+    limit = f" (limit {view.max_no_progress_restarts})" if view.max_no_progress_restarts else ""
+    backoff = f", backoff {view.backoff_s:.1f}s" if view.backoff_s else ""
+    return f"; {view.no_progress_restarts} in a row without progress{limit}{backoff}"
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

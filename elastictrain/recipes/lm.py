@@ -35,7 +35,7 @@ from elastictrain.runtime.audit import SampleLedger
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 from elastictrain.runtime.data import build_source
-from elastictrain.runtime.exitcodes import EXIT_CONFIG, EXIT_REFORM
+from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.determinism import (
     capture_rng_state, configure_determinism, derive_seed, restore_rng_state, seed_everything,
@@ -344,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ElastictrainError as e:
         sys.stderr.write(f"elastictrain: error: {e}\n")
-        return EXIT_CONFIG
+        return exit_fatal(str(e))
     setup_logging(cfg.logging.level, cfg.logging.json)
     started = time.monotonic()
     control = WorkerControl.from_env()  # before the first heartbeat: the agent rings only workers that beat
@@ -364,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return EXIT_REFORM
     except ElastictrainError as e:
         log.error("%s", e)
-        return EXIT_CONFIG
+        return 1 if e.restartable else exit_fatal(str(e))
     finally:
         session.close()
         heartbeat.close()
