@@ -60,3 +60,19 @@ def test_since_takes_durations_unix_and_iso_times():
     assert parse_since(None) == 0.0
     with pytest.raises(ConfigError, match="--since 'yesterday'"):
         parse_since("yesterday")
+
+
+def test_a_fatal_worker_error_fails_the_job_with_its_cause_whatever_the_nodes_last_said():
+    v = derive("demo", [node("a", "recovering", step=8), node("b", step=8)], NOW,
+                fatal="rank 1: checkpoint /c/step-8 does not match this job")
+    text = render(v)
+    assert text.startswith("run demo: FAILED (UNHEALTHY)")
+    assert "problem: a worker error that restarting cannot fix ended the job: rank 1: checkpoint /c/step-8" in text
+
+
+def test_restarts_line_shows_the_streak_without_progress_and_its_backoff():
+    v = _view()
+    v.restarts_used, v.no_progress_restarts, v.max_no_progress_restarts, v.backoff_s = 3, 2, 5, 1.1
+    assert "restarts:   3 of 3 used; 2 in a row without progress (limit 5), backoff 1.1s" in render(v)
+    v.no_progress_restarts = 0
+    assert "restarts:   3 of 3 used\n" in render(v)
