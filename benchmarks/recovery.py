@@ -1,6 +1,6 @@
 """Recovery benchmark: `elastictrain run` (our agent + etcd3) vs stock torchrun (c10d), same workload, same run.
 
-Writes benchmarks/results/recovery.json. Run: `python benchmarks/recovery.py [--trials 2]`.
+Writes benchmarks/results/recovery.json (or `--out`). Run: `python benchmarks/recovery.py [--trials 2]`.
 
 Workload: the reference recipe (tiny Llama, synthetic data, FSDP2 on gloo; the chaos tests' FAST settings), 2 nodes
 x 1 worker on localhost, `--nnodes 1:2`, checkpoint every 10 steps, sample ledger on. Progress is read from the
@@ -15,8 +15,13 @@ Figures: (a), (b), (d): seconds from the signal to the first step completed by a
 seconds from the re-joining node's start to the first completed step of a 2-node group. Steps lost: steps the
 old group had completed that the new one runs again. Stock torchrun is given `--max-restarts`, the same
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` and `--monitor-interval 0.1`; node b is never the c10d store host
-(killing that one ends a c10d job). Before each fault, ours waits until its pre-warmed spare workers have finished importing (they do so within
-seconds of a group starting to train; real faults are far rarer), so each figure is the steady-state recovery.
+(killing that one ends a c10d job). Before each fault, ours waits until its pre-warmed spare workers have
+finished importing (they do so within seconds of a group starting to train; real faults are far rarer), so each
+figure is the steady-state recovery. Then, for both systems alike, faults (a), (b) and (d) wait until the
+running group has completed exactly `--fault-offset` steps past the newest committed checkpoint, so that both
+lose the same steps by construction (benchmarks/fault_point.py); each entry records that checkpoint and the
+offset it fired at. (c) is not
+tied to the interval: the group that the node re-joins saves the step it stops at.
 A fault counts as "not detected" when no new group completes a step within
 `--hang-wait` (default 60 s); every process is then killed by PID.
 """
@@ -46,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastictrain.chaos.faults import signal_worker  # noqa: E402
+from benchmarks.fault_point import arm_node_kill, arm_worker_signal, at_offset  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
 from elastictrain.runtime.warmstart import idle_spares  # noqa: E402
 from tests.chaos.cluster import Node  # noqa: E402
@@ -54,6 +59,10 @@ from tests.integration.recipe_runs import FAST, worker_env  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "recovery.json"
 CONFIG = str(ROOT / "configs" / "tiny-cpu.yaml")
+CKPT_EVERY = 10
+"""checkpoint.every_steps of every job"""
+FAULT_OFFSET = 5
+"""Default --fault-offset: mid-interval, so a checkpoint's async commit has landed well before the fault."""
 
 CONFS: dict[str, dict] = {
     "ours": {
@@ -88,17 +97,24 @@ class LedgerWatch:
         self.completed: list[Completed] = []
         self.first: dict[int, int] = {}
         """launch seq -> the first step its group completed"""
+        self._newest: Optional[Completed] = None
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._poll()
+            self.poll()
             time.sleep(self.interval)
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
+        """Read what the ledgers gained since the last read (also called by a waiter that needs it sooner)."""
+        with self._read_lock:
+            self._read()
+
+    def _read(self) -> None:
         now = time.monotonic()
         for path in sorted(self.dir.glob("rank*.jsonl")) if self.dir.exists() else []:
             with open(path, "rb") as f:
@@ -117,12 +133,20 @@ class LedgerWatch:
                     ranks.add(r["rank"])
                     self._world[key] = r["world_size"]
                     if len(ranks) == r["world_size"]:
-                        self.completed.append(Completed(now, r["seq"], r["step"], r["world_size"]))
+                        c = Completed(now, r["seq"], r["step"], r["world_size"])
+                        self.completed.append(c)
                         self.first[r["seq"]] = min(self.first.get(r["seq"], r["step"]), r["step"])
+                        if self._newest is None or (c.seq, c.step) > (self._newest.seq, self._newest.step):
+                            self._newest = c
 
     def snapshot(self) -> list[Completed]:
         with self._lock:
             return list(self.completed)
+
+    def newest(self) -> Optional[Completed]:
+        """The newest step (by launch, then step) that every rank of its group completed."""
+        with self._lock:
+            return self._newest
 
     def wait(self, pred, timeout: float, nodes: list[Node], abort=None) -> Optional[Completed]:
         """The first completed step matching `pred`, or None after `timeout`, when every node exited or `abort()`."""
@@ -153,7 +177,8 @@ class Job:
         self.watch = LedgerWatch(self.out / "samples")
 
     def command(self, name: str) -> list[str]:
-        sets = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt", "checkpoint.every_steps=10",
+        sets = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt",
+                f"checkpoint.every_steps={CKPT_EVERY}",
                 "checkpoint.keep_last=2", "train.steps=100000", "train.audit_samples=true"]
         flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "100"]
         if self.system == "ours":
@@ -190,9 +215,6 @@ class Job:
         b = self.start("b")
         return a, b
 
-    def newest(self) -> Completed:
-        return max(self.watch.snapshot(), key=lambda c: (c.seq, c.step))
-
     def close(self) -> None:
         self.watch.close()
         for n in self.nodes:
@@ -200,12 +222,25 @@ class Job:
                 n.kill()
 
 
-def _measure(job: Job, fault_at: float, before: Completed, timeout: float, world: Optional[int] = None) -> dict:
+def _newest(job: Job) -> Completed:
+    newest = job.watch.newest()
+    assert newest is not None, "no step completed yet"
+    return newest
+
+
+def _at_offset(job: Job, offset: int) -> tuple[Completed, dict]:
+    return at_offset(job.watch, job.out / "ckpt", offset, alive=lambda: any(n.alive() for n in job.nodes))
+
+
+def _measure(job: Job, fault_at: float, before: Completed, timeout: float, world: Optional[int] = None,
+             where: Optional[dict] = None) -> dict:
+    """`where`: the checkpoint and offset the fault fired at (from `at_offset`), kept with the figures."""
+    where = where or {}
     after = job.watch.wait(lambda c: c.seq > before.seq and (world is None or c.world == world), timeout, job.nodes)
     if after is None:
-        return {"recovered": False, "recovery_s": None, "steps_lost": None,
+        return {**where, "recovered": False, "recovery_s": None, "steps_lost": None,
                 "note": f"no step by a new group within {timeout:.0f} s (not detected / not recovered)"}
-    return recovery_stats(job.watch.snapshot(), fault_at, after)
+    return {**where, **recovery_stats(job.watch.snapshot(), fault_at, after)}
 
 
 def recovery_stats(done: list[Completed], fault_at: float, after: Completed) -> dict:
@@ -261,47 +296,51 @@ def _spares_ready(job: Job, timeout: float = 120.0) -> None:
 
 
 def job_worker_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
-                      timeout: float) -> None:
+                      timeout: float, offset: int) -> None:
     """(a) SIGKILL node b's worker, then (d) SIGSTOP it once a 2-rank group trains again."""
     job = Job(system, conf, work, endpoint)
     try:
         _, b = job.start_both()
         assert _trained(job, -1, 12), "the job never trained on 2 nodes"
         _spares_ready(job)
-        before = job.newest()
+        fire = arm_worker_signal(b.pid, signal.SIGKILL)
+        before, where = _at_offset(job, offset)
         t = time.monotonic()
-        signal_worker(b.pid, signal.SIGKILL)
-        out["worker_kill"] = _measure(job, t, before, timeout)
+        fire()
+        out["worker_kill"] = _measure(job, t, before, timeout, where=where)
         if not out["worker_kill"]["recovered"]:
             return
         # the hang detector calibrates on >= 5 steps of the new group first
         assert _trained(job, before.seq, 8), "no 2-rank group trained after the worker kill"
         _spares_ready(job)
-        before = job.newest()
+        fire = arm_worker_signal(b.pid, signal.SIGSTOP)
+        before, where = _at_offset(job, offset)
         t = time.monotonic()
-        signal_worker(b.pid, signal.SIGSTOP)
-        out["hang"] = _measure(job, t, before, hang_wait)
+        fire()
+        out["hang"] = _measure(job, t, before, hang_wait, where=where)
     finally:
         job.close()
 
 
 def job_node_faults(out: dict, system: str, conf: str, work: Path, endpoint: Optional[str], hang_wait: float,
-                    timeout: float) -> None:
+                    timeout: float, offset: int) -> None:
     """(b) SIGKILL node b (agent and worker), then (c) start it again once the survivor trains alone."""
     job = Job(system, conf, work, endpoint)
     try:
         _, b = job.start_both()
         assert _trained(job, -1, 12), "the job never trained on 2 nodes"
         _spares_ready(job)
-        before = job.newest()
+        fire = arm_node_kill(b.pid)  # Node starts each agent in a session of its own
+        before, where = _at_offset(job, offset)
         t = time.monotonic()
-        b.kill()
-        out["node_loss"] = _measure(job, t, before, timeout)
+        fire()
+        b.kill()  # reaps it, and whatever started after the look-up
+        out["node_loss"] = _measure(job, t, before, timeout, where=where)
         if not out["node_loss"]["recovered"]:
             return
         assert _trained(job, before.seq, 5, world=1), "the survivor did not train alone"
         _spares_ready(job)
-        before = job.newest()
+        before = _newest(job)
         t = time.monotonic()
         job.start("b")
         out["rejoin"] = _measure(job, t, before, timeout, world=2)
@@ -327,8 +366,9 @@ def _median(xs: list[float]) -> Optional[float]:
     return round(statistics.median(xs), 2) if xs else None
 
 
-def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict]:
-    """Per fault and configuration: median seconds and steps lost; then stock/ours ratios of the medians."""
+def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict, dict]:
+    """Per fault and configuration: median seconds and steps lost; stock/ours ratios of the medians; steps lost
+    per fault and system (both confs)."""
     runs = [r for r in runs if not r.get("excluded_from_summary")]
     summary: dict[str, dict] = {}
     for fault in ("worker_kill", "node_loss", "rejoin", "hang"):
@@ -342,7 +382,7 @@ def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict
                 "median_s": _median(secs), "runs_s": [r.get("recovery_s") for r in rs],
                 "stall_median_s": _median(stalls),
                 "recovered": f"{len(secs)}/{len(rs)}", "steps_lost_median": _median(lost),
-                "steps_lost": [r.get("steps_lost") for r in rs]}
+                "steps_lost": [r.get("steps_lost") for r in rs], "fault_offsets": [r.get("fault_offset") for r in rs]}
     ratios: dict[str, dict] = {}
     for fault, by in summary.items():
         ratios[fault] = {}
@@ -350,7 +390,22 @@ def summarize(runs: list[dict], plan: list[tuple[str, str]]) -> tuple[dict, dict
             ratios[fault][conf] = _ratio(by.get(f"ours:{conf}"), by.get(f"stock:{conf}"), "median_s")
             ratios[fault][f"{conf}_stall"] = _ratio(by.get(f"ours:{conf}"), by.get(f"stock:{conf}"),
                                                     "stall_median_s")
-    return summary, ratios
+    return summary, ratios, steps_lost_by_system(runs)
+
+
+def steps_lost_by_system(runs: list[dict]) -> dict[str, dict]:
+    """Per fault and system, both confs together: the steps lost and the offsets the faults fired at.
+
+    A system that never recovered from a fault lost no step measurably, and has none listed."""
+    out: dict[str, dict] = {}
+    for fault in ("worker_kill", "node_loss", "hang"):
+        out[fault] = {}
+        for system in sorted({r["system"] for r in runs}):
+            rs = [r for r in runs if r["fault"] == fault and r["system"] == system and r.get("recovered")]
+            lost = [r["steps_lost"] for r in rs if r.get("steps_lost") is not None]
+            out[fault][system] = {"steps_lost_median": _median(lost), "steps_lost": lost,
+                                  "fault_offsets": [r.get("fault_offset") for r in rs]}
+    return out
 
 
 def _ratio(ours: Optional[dict], stock: Optional[dict], key: str):
@@ -362,8 +417,8 @@ def _ratio(ours: Optional[dict], stock: Optional[dict], key: str):
     return round(stock[key] / ours[key], 2) if ours[key] > 0 else None
 
 
-def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict) -> None:
-    summary, ratios = summarize(runs, plan)
+def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict, out: Path = RESULTS) -> None:
+    summary, ratios, lost = summarize(runs, plan)
     result = {
         "meta": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -373,17 +428,22 @@ def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict) -> 
             "metric": "recovery_s: seconds from the fault to the first step completed (by every rank) of a group "
                       "launched after it; rejoin: from the node's start to the first completed step of the 2-node "
                       "group. stall_s: seconds without a completed step around the fault (from the last step of an "
-                      "older group, or the fault if later, to that first step)",
+                      "older group, or the fault if later, to that first step). steps_lost: steps the old group "
+                      "completed that the new one ran again; fault_offset: steps the running group had completed "
+                      "past the newest committed checkpoint (ckpt_step) when the fault fired (worker_kill, "
+                      "node_loss, hang: the same for every system, fault_offset_steps)",
+            "checkpoint_every_steps": CKPT_EVERY,
             "confs": CONFS,
             **meta,
         },
         "summary": summary,
         "speedup_stock_over_ours": ratios,
+        "steps_lost_by_system": lost,
         "runs": runs,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")  # noqa: T201
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")  # noqa: T201
 
 
 def main() -> None:
@@ -392,28 +452,42 @@ def main() -> None:
     p.add_argument("--hang-wait", type=float, default=60.0, help="bound on waiting for a hang to be recovered")
     p.add_argument("--timeout", type=float, default=90.0, help="bound on waiting for other recoveries")
     p.add_argument("--systems", default="ours:tuned,stock:tuned,ours:defaults,stock:defaults")
+    p.add_argument("--kinds", default="worker,node",
+                   help="jobs per system and trial: worker (kill, then hang), node (loss, then re-join)")
+    p.add_argument("--fault-offset", type=int, default=FAULT_OFFSET,
+                   help=f"steps past the newest committed checkpoint at which every fault but the re-join fires "
+                        f"(1..{CKPT_EVERY - 1}; default %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON (default %(default)s)")
     p.add_argument("--from-log", help="only rebuild the JSON from the entries a previous run printed")
     p.add_argument("--extra-log", help="with --from-log: entries of another pass, kept in runs, not summarized")
     args = p.parse_args()
+    if not 1 <= args.fault_offset < CKPT_EVERY:
+        p.error(f"--fault-offset must be 1..{CKPT_EVERY - 1} (checkpoints every {CKPT_EVERY} steps)")
     plan = [tuple(s.split(":")) for s in args.systems.split(",")]
-    meta = {"hang_wait_s": args.hang_wait, "timeout_s": args.timeout, "load_avg_at_start": os.getloadavg()}
+    jobs = {"worker": job_worker_faults, "node": job_node_faults}
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= set(jobs):
+        p.error(f"--kinds: choose from {','.join(jobs)}")
+    meta = {"hang_wait_s": args.hang_wait, "timeout_s": args.timeout, "fault_offset_steps": args.fault_offset,
+            "kinds": kinds, "load_avg_at_start": os.getloadavg()}
     if args.from_log:
         runs = [json.loads(line) for line in Path(args.from_log).read_text().splitlines() if line.startswith("{")]
         if args.extra_log:
             runs += [{**json.loads(line), "excluded_from_summary": True}
                      for line in Path(args.extra_log).read_text().splitlines() if line.startswith("{")]
-        write_results(runs, plan, {**meta, "rebuilt_from_log": True, "load_avg_at_start": None})
+        write_results(runs, plan, {**meta, "rebuilt_from_log": True, "load_avg_at_start": None}, args.out)
         return
     runs: list[dict] = []
     t_start = time.monotonic()
     with EmbeddedEtcd() as etcd, tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         for trial in range(args.trials):
             for system, conf in plan:
-                for kind, fn in (("worker", job_worker_faults), ("node", job_node_faults)):
+                for kind in kinds:
                     work = Path(tmp) / f"{system}-{conf}-{kind}-{trial}"
                     res: dict[str, dict] = {}
                     try:
-                        fn(res, system, conf, work, etcd.endpoint, args.hang_wait, args.timeout)
+                        jobs[kind](res, system, conf, work, etcd.endpoint, args.hang_wait, args.timeout,
+                                   args.fault_offset)
                     except AssertionError as e:
                         res[f"{kind}_job_error"] = {"recovered": False, "note": str(e)}
                     for fault, r in res.items():
@@ -422,7 +496,7 @@ def main() -> None:
                         runs.append(entry)
                         print(json.dumps(entry), flush=True)  # noqa: T201 - progress of a benchmark script
     write_results(runs, plan, {**meta, "wall_s": round(time.monotonic() - t_start, 1),
-                               "load_avg_at_end": os.getloadavg()})
+                               "load_avg_at_end": os.getloadavg()}, args.out)
 
 
 if __name__ == "__main__":
