@@ -1,24 +1,33 @@
 """EtcdClient: a thin etcd v3 client with endpoint failover, retry with backoff and clear errors.
 
-Built on `pyetcd` (etcd-sdk-python). Every operation the rendezvous needs goes through `_call`, which
+Built on `pyetcd` (etcd-sdk-python). Every operation the rendezvous needs goes through `call`, which
 retries transient failures (no leader, member down, connection refused) with exponential backoff for
 up to `outage_tolerance` seconds, so that a short etcd outage never fails a running job, while the
 first contact (`connect`) gives up after `connect_timeout` with an error naming the endpoints.
+
+A transient failure may come after etcd applied the request (its reply was lost), so `call` may repeat
+a write that already happened. Every write below is therefore either naturally idempotent (repeating it
+leaves the same state and result) or made so with a request record (see `_write_once`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd import exceptions as etcd_exc
+from pyetcd import transactions as tx
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastictrain.errors import RendezvousError
@@ -31,6 +40,12 @@ T = TypeVar("T")
 # A failed endpoint is retried after this long (pyetcd's default is 300 s, far too long for a
 # cluster whose member only restarted).
 _ENDPOINT_RETRY_S = 1.0
+
+# Request records live under a lease of at least this long (and 3 retry windows), granted afresh once
+# less than 2 retry windows of it are left: one grant every ~8 minutes with the defaults.
+_REQUEST_LEASE_MIN_TTL_S = 600.0
+# Counters whose last seen (value, revision) `add` keeps to guess from; the rendezvous touches a few per round.
+_COUNTER_CACHE_SIZE = 1024
 
 _TRANSIENT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 _TRANSIENT_EXC = (
@@ -69,9 +84,37 @@ def _is_transient(exc: BaseException) -> bool:
     return err is not None and hasattr(err, "code") and err.code() in _TRANSIENT_CODES
 
 
+def _kv(kvs: list[Any]) -> tuple[bytes, int] | None:
+    """(value, mod revision) from a transaction's get of one key; None when the key is absent."""
+    if not kvs:
+        return None
+    value, meta = kvs[0]
+    return bytes(value), int(meta.mod_revision)
+
+
+def _is_lease_not_found(exc: BaseException) -> bool:
+    err = _grpc_error(exc)
+    return (
+        err is not None and hasattr(err, "code") and err.code() == grpc.StatusCode.NOT_FOUND
+        and "lease not found" in (err.details() or "")
+    )
+
+
 def _is_auth_token_expired(exc: BaseException) -> bool:
     err = _grpc_error(exc)
     return err is not None and hasattr(err, "details") and "invalid auth token" in (err.details() or "")
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a write made once ended: whether it is in etcd, and what the branch that ran read."""
+
+    applied: bool
+    """The write's ops are in etcd: applied by this attempt, or by an earlier one whose reply was lost."""
+    reads: list[Any]
+    """Responses of the ops of the branch that ran (the request record's own op left out)."""
+    record: bytes
+    """What the write recorded when it was applied (empty when it was not)."""
 
 
 class EtcdClient:
@@ -82,6 +125,10 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._client: MultiEndpointEtcd3Client | None = None
         self._local = threading.local()
+        self._lease_lock = threading.Lock()
+        self._request_lease_id: int | None = None
+        self._request_lease_renew_at = 0.0
+        self._counters: dict[str, tuple[int, int]] = {}
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -193,7 +240,10 @@ class EtcdClient:
 
     def call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T],
              tolerance: float | None = None) -> T:  # fmt: skip
-        """Run `fn(client)`, retrying transient failures with backoff for up to `tolerance` seconds."""
+        """Run `fn(client)`, retrying transient failures with backoff for up to `tolerance` seconds.
+
+        A transient failure may follow a request etcd applied, so `fn` must be safe to repeat.
+        """
         if tolerance is None:
             tolerance = getattr(self._local, "tolerance", None) or self.settings.outage_tolerance
         deadline = time.monotonic() + tolerance
@@ -220,7 +270,7 @@ class EtcdClient:
                 # Jitter spreads the retries of many agents after an etcd restart.
                 time.sleep(min(0.05 * 2 ** min(attempt, 5) * random.uniform(0.5, 1.0), remaining))
 
-    # -- operations -------------------------------------------------------------------------------
+    # -- reads ------------------------------------------------------------------------------------
 
     def get(self, key: str, tolerance: float | None = None) -> tuple[bytes, int] | None:
         """(value, mod_revision) of `key`, or None."""
@@ -234,74 +284,182 @@ class EtcdClient:
         items = self.call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)), tolerance)
         return {meta.key.decode(): bytes(value) for value, meta in items}
 
-    def put(self, key: str, value: bytes, lease: int | None = None) -> None:
-        """Write `key` (bound to `lease` when given)."""
-        self.call(f"put {key}", lambda c: c.put(key, value, lease=lease))
-
-    def delete(self, key: str) -> bool:
-        """Delete `key`; True when it existed."""
-        return bool(self.call(f"delete {key}", lambda c: c.delete(key)))
-
-    def delete_prefix(self, prefix: str) -> None:
-        """Delete every key under `prefix`."""
-        self.call(f"delete prefix {prefix}", lambda c: c.delete_prefix(prefix))
-
     def count_prefix(self, prefix: str) -> int:
         """How many keys live under `prefix`."""
         return len(self.get_prefix(prefix))
+
+    # -- writes that are idempotent as they are ---------------------------------------------------
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        """Write `key` (bound to `lease` when given).
+
+        Idempotent: a repeat writes the same bytes to the same key. A write by someone else between an
+        applied attempt and its repeat raced with this call anyway, so either order was possible.
+        """
+        self.call(f"put {key}", lambda c: c.put(key, value, lease=lease))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under `prefix` (idempotent: a repeat finds fewer keys or none; nothing is returned)."""
+        self.call(f"delete prefix {prefix}", lambda c: c.delete_prefix(prefix))
+
+    # -- writes made once with a request record ---------------------------------------------------
 
     def cas(self, key: str, value: bytes, expected_revision: int | None) -> tuple[bool, bytes | None, int]:
         """Write `value` iff `key`'s mod revision is `expected_revision` (None: iff absent).
 
         Returns (written, current value, current mod revision); the current value is None when the
-        key does not exist.
+        key does not exist. `written` is also true when an attempt whose reply was lost wrote it (its
+        repeat alone would see the changed revision and report a lost race).
         """
+        guard = tx.Version(key) == 0 if expected_revision is None else tx.Mod(key) == expected_revision
+        # The get in the same transaction returns the revision our write produced (or the one that
+        # beat us), so the caller never needs a second, racy read.
+        outcome = self._write_once(
+            f"compare-and-swap {key}", self._new_request(), [guard], [tx.Put(key, value), tx.Get(key)], [tx.Get(key)]
+        )
+        current = _kv(outcome.reads[-1])
+        if current is None:
+            return outcome.applied, None, 0
+        return outcome.applied, current[0], current[1]
 
-        def txn(c: MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
-            t = c.transactions
-            compare = [t.version(key) == 0] if expected_revision is None else [t.mod(key) == expected_revision]
-            # The get inside the same transaction returns the revision our write produced (or the
-            # one that beat us), so the caller never needs a second, racy read.
-            return c.transaction(compare=compare, success=[t.put(key, value), t.get(key)], failure=[t.get(key)])
-
-        succeeded, responses = self.call(f"compare-and-swap {key}", txn)
-        kvs = responses[-1]
-        if not kvs:
-            return bool(succeeded), None, 0
-        current, meta = kvs[0]
-        return bool(succeeded), bytes(current), int(meta.mod_revision)
+    def delete(self, key: str) -> bool:
+        """Delete `key`; True when it existed (also when a lost reply hid that this call deleted it)."""
+        outcome = self._write_once(f"delete {key}", self._new_request(), [tx.Version(key) > 0], [tx.Delete(key)], [])
+        return outcome.applied
 
     def delete_if_revision(self, key: str, revision: int) -> bool:
-        """Delete `key` iff its mod revision is still `revision`; True when deleted."""
-
-        def txn(c: MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
-            t = c.transactions
-            return c.transaction(compare=[t.mod(key) == revision], success=[t.delete(key)], failure=[])
-
-        succeeded, _ = self.call(f"conditional delete {key}", txn)
-        return bool(succeeded)
+        """Delete `key` iff its mod revision is still `revision`; True when this call deleted it."""
+        what = f"conditional delete {key}"
+        return self._write_once(what, self._new_request(), [tx.Mod(key) == revision], [tx.Delete(key)], []).applied
 
     def add(self, key: str, amount: int) -> int:
-        """Atomically add `amount` to the integer stored at `key` (absent: 0); return the new value."""
+        """Atomically add `amount` to the integer stored at `key` (absent: 0); return the new value.
+
+        One transaction when the key is unchanged since this client's last add to it; else a read
+        first (a wrong guess would cost a failed transaction, which etcd logs like a write).
+        """
+        if amount == 0:
+            return self._read_counter(key)
+        # One request for every guess: the record of an applied guess stops all later ones.
+        request = self._new_request()
+        seen = self._counters.get(key) or self._remember(key, self.get(key))
         while True:
-            current = self.get(key)
-            base = int(current[0]) if current is not None else 0
-            written, _, _ = self.cas(key, str(base + amount).encode(), None if current is None else current[1])
-            if written:
-                return base + amount
+            base = 0 if seen is None else seen[0]
+            guard = tx.Version(key) == 0 if seen is None else tx.Mod(key) == seen[1]
+            new = str(base + amount).encode()
+            write = [tx.Put(key, new), tx.Get(key)]
+            outcome = self._write_once(f"add {key}", request, [guard], write, [tx.Get(key)], record=new)
+            seen = self._remember(key, _kv(outcome.reads[-1]))
+            if outcome.applied:
+                return int(outcome.record)
+
+    def _read_counter(self, key: str) -> int:
+        """`add(key, 0)`: the value; an absent key is created as 0 (idempotent: a repeat creates nothing)."""
+        current = self.get(key)
+        if current is None:
+
+            def create(c: MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
+                return c.transaction(
+                    compare=[tx.Version(key) == 0], success=[tx.Put(key, b"0"), tx.Get(key)], failure=[tx.Get(key)]
+                )
+
+            current = _kv(self.call(f"create counter {key}", create)[1][-1])
+        seen = self._remember(key, current)
+        return 0 if seen is None else seen[0]
+
+    def _remember(self, key: str, current: tuple[bytes, int] | None) -> tuple[int, int] | None:
+        """Keep a counter's (value, mod revision) as last read, to guess the next add from."""
+        if current is None:
+            self._counters.pop(key, None)
+            return None
+        if len(self._counters) >= _COUNTER_CACHE_SIZE:
+            self._counters.clear()
+        seen = self._counters[key] = (int(current[0]), current[1])
+        return seen
+
+    def _new_request(self) -> str:
+        return f"{self.settings.run_prefix}/requests/{uuid.uuid4().hex}"
+
+    def _write_once(self, what: str, request: str, compare: list[Any], success: list[Any], failure: list[Any],
+                    record: bytes = b"") -> _Outcome:  # fmt: skip
+        """Run a write transaction that is applied at most once, however often `call` repeats it.
+
+        The transaction also creates the key `request`, and runs `success` only while that key is
+        absent. A repeat of an applied attempt therefore takes the `failure` branch and finds the
+        record (with `record`, the result to return) instead of writing again.
+        """
+        attempt = functools.partial(self._transact_recorded, what, request, compare, success, failure, record)
+        try:
+            return attempt(self._request_lease())
+        except RendezvousError as exc:
+            if not _is_lease_not_found(exc):
+                raise
+            # etcd refused the whole transaction: the records' lease is gone (etcd restored from a
+            # backup, revoked by hand). Nothing was written; take a new lease.
+            self._forget_request_lease()
+            return attempt(self._request_lease())
+
+    def _transact_recorded(self, what: str, request: str, compare: list[Any], success: list[Any],
+                           failure: list[Any], record: bytes, lease: int) -> _Outcome:  # fmt: skip
+        def txn(c: MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
+            return c.transaction(
+                compare=[*compare, tx.Version(request) == 0],
+                success=[*success, tx.Put(request, record, lease=lease)],
+                failure=[*failure, tx.Get(request)],
+            )
+
+        succeeded, responses = self.call(what, txn)
+        if succeeded:
+            return _Outcome(True, responses[:-1], record)
+        found = responses[-1]
+        return _Outcome(bool(found), responses[:-1], bytes(found[0][0]) if found else b"")
+
+    def _request_lease(self) -> int:
+        """The lease for request records: it outlives every retry window that starts now."""
+        with self._lease_lock:
+            if self._request_lease_id is None or time.monotonic() >= self._request_lease_renew_at:
+                window = self.settings.outage_tolerance + self.settings.request_timeout
+                ttl = max(_REQUEST_LEASE_MIN_TTL_S, 3 * window)
+                # Timed from before the grant: etcd starts the lease later, never earlier.
+                started = time.monotonic()
+                self._request_lease_id = self.lease_grant(math.ceil(ttl))
+                self._request_lease_renew_at = started + ttl - 2 * window
+            return self._request_lease_id
+
+    def _forget_request_lease(self) -> None:
+        with self._lease_lock:
+            self._request_lease_id = None
+
+    # -- leases and watches -----------------------------------------------------------------------
 
     def lease_grant(self, ttl: int) -> int:
-        """Grant a lease of `ttl` seconds; return its id."""
+        """Grant a lease of `ttl` seconds; return its id.
+
+        A repeat after a lost reply grants a second lease; the first one has no keys (they are put
+        after this returns) and expires by itself, so a repeat changes nothing anyone reads.
+        """
         return int(self.call("lease grant", lambda c: c.lease(ttl)).id)
 
     def lease_refresh(self, lease_id: int, tolerance: float | None = None) -> int:
-        """Refresh a lease; return its remaining TTL (0 or less: the lease is gone)."""
+        """Refresh a lease; return its remaining TTL (0 or less: the lease is gone).
+
+        Idempotent: a repeated keep-alive sets the same TTL again.
+        """
         responses = self.call("lease keep-alive", lambda c: list(c.refresh_lease(lease_id)), tolerance)
         return int(responses[0].TTL) if responses else 0
 
     def lease_revoke(self, lease_id: int) -> None:
-        """Revoke a lease, deleting the keys bound to it."""
-        self.call("lease revoke", lambda c: c.revoke_lease(lease_id), tolerance=self.settings.request_timeout)
+        """Revoke a lease, deleting the keys bound to it; a lease already gone counts as revoked."""
+
+        def revoke(c: MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                # Expired, or revoked by an attempt whose reply was lost: what we asked for holds.
+                if not _is_lease_not_found(exc):
+                    raise
+
+        self.call("lease revoke", revoke, tolerance=self.settings.request_timeout)
 
     def watch_prefix(self, prefix: str, callback: Callable[[Any], None], tolerance: float | None = None) -> int:
         """Call `callback(response_or_exception)` for every change under `prefix`; return the watch id.

@@ -26,7 +26,8 @@ class EtcdStore(dist.Store):
     """The c10d Store operations torch's elastic agent uses (set/get/add/wait/compare_set/...).
 
     Keys live under `prefix`; values are raw bytes. `get` and `wait` block until the keys exist or
-    the store's timeout passes (then raise `DistStoreError`, a RuntimeError, as TCPStore does).
+    the store's timeout passes (then raise `DistStoreError`, a RuntimeError, as TCPStore does). Every
+    write takes effect once even when etcd's reply is lost and the client retries (see EtcdClient).
     """
 
     def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
