@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from elastictrain.chaos.inject import maybe_inject
 from elastictrain.config import JobConfig, load_config
@@ -62,17 +62,46 @@ class RunSummary:
     stopped_by_peer: bool
     """Another rank (a draining node) asked to stop; this rank's node goes on in a re-formed group."""
     param_digest: str
+    optim_digest: str
+    """sha256 of the final full optimizer state (see `optim_digest`); "" with train.param_digest off."""
     resumed_from: Optional[str] = None
     losses: dict[int, float] = field(default_factory=dict)
 
 
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _hash_tensor(h: hashlib._Hash, name: str, value: Any) -> None:
+    h.update(name.encode())
+    if isinstance(value, torch.Tensor):
+        h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    else:  # a plain number (e.g. an optimizer's step kept as a float)
+        h.update(repr(value).encode())
+
+
 def param_digest(model: torch.nn.Module) -> str:
     """sha256 over the full (unsharded) parameters; a collective: every rank must call it."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=_FULL)
     h = hashlib.sha256()
     for name in sorted(full):
-        h.update(name.encode())
-        h.update(full[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+        _hash_tensor(h, name, full[name])
+    return h.hexdigest()
+
+
+def optim_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """sha256 over the full (unsharded) optimizer state; a collective: every rank must call it.
+
+    Every parameter's state (AdamW: exp_avg, exp_avg_sq, step) by FQN, then the param groups' hyperparameters
+    (lr as the scheduler left it, betas, weight decay), so a resume that restores the parameters but not the
+    optimizer or the LR schedule gives another digest.
+    """
+    full = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    h = hashlib.sha256()
+    state = full.get("state", {})
+    for fqn in sorted(state):
+        for key in sorted(state[fqn]):
+            _hash_tensor(h, f"{fqn}/{key}", state[fqn][key])
+    h.update(json.dumps(full.get("param_groups", []), sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -293,7 +322,9 @@ class Trainer:
         self.heartbeat.beat(self.step, "done")  # the final save and digest are not a hang
         if self.checkpointer is not None:
             self.checkpointer.close()
-        digest = param_digest(self.model) if t.param_digest else ""
+        digest = opt_digest = ""
+        if t.param_digest:
+            digest, opt_digest = param_digest(self.model), optim_digest(self.model, self.optimizer)
         if self.ledger is not None:
             self.ledger.close()
         med = statistics.median(step_times) if step_times else 0.0
@@ -302,7 +333,7 @@ class Trainer:
             samples_consumed=self.cursor.samples_consumed, final_loss=losses.get(self.step),
             tokens_per_s=(tokens_per_step / med) if med else 0.0, step_time_s_median=med, wall_s=wall,
             stopped_early=stopped_early, stopped_by_peer=stopped_by_peer, param_digest=digest,
-            resumed_from=resumed_from, losses=losses)
+            optim_digest=opt_digest, resumed_from=resumed_from, losses=losses)
 
 
 def write_summary(summary: RunSummary, output_dir: Path) -> None:

@@ -72,3 +72,14 @@ def ledger_max_step(out: Path) -> int:
 
     recs = read_records(out / "samples") if (out / "samples").exists() else []
     return max((r["step"] for r in recs), default=-1)
+
+
+def assert_same_train_state(run: dict, reference: dict) -> None:
+    """Two summaries hold bitwise the same final parameters and optimizer state, and the same loss at every step
+    `run` logged. A summary without digests (train.param_digest off) fails: "" == "" proves nothing."""
+    for key in ("param_digest", "optim_digest"):
+        assert reference[key] and run[key], f"a summary has no {key}: set train.param_digest=true"
+        assert run[key] == reference[key], f"{key} differs from the reference's"
+    for step, loss in run["losses"].items():
+        ref = reference["losses"][step]
+        assert loss == ref, f"loss at step {step}: {loss!r}, reference {ref!r}"

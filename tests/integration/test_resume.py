@@ -1,5 +1,6 @@
 """Deterministic resume from checkpoints under real torchrun: kills, restarts, SIGTERM, other world sizes."""
 
+import json
 import math
 import os
 import random
@@ -12,7 +13,9 @@ from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.cursor import GlobalOrder
-from tests.integration.recipe_runs import ledger_max_step, run_recipe, start_recipe, worker_pids
+from tests.integration.recipe_runs import (
+    assert_same_train_state, ledger_max_step, run_recipe, start_recipe, worker_pids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +38,14 @@ def wait_for_step(proc, out, step, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ref")
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
     """An uninterrupted 2-rank run, checkpointing on the same schedule as the runs under test."""
-    out = tmp_path_factory.mktemp("ref")
+    out = reference_dir
     return run_recipe(out, 2, [f"train.steps={STEPS}", f"checkpoint.url={out}/ckpt", "checkpoint.every_steps=4"])
 
 
@@ -55,12 +63,9 @@ def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(tmp_path, r
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    import json
     summary = json.loads((out / "summary.json").read_text())
     assert summary["start_step"] > 0, "the restarted workers must resume from a checkpoint, not from scratch"
-    assert summary["param_digest"] == reference["param_digest"]
-    for step, loss in summary["losses"].items():
-        assert loss == reference["losses"][step], step
+    assert_same_train_state(summary, reference)
     timeline = committed_timeline(out / "samples")
     assert timeline == {step: expected_samples(step) for step in range(STEPS)}
 
@@ -81,7 +86,21 @@ def test_sigterm_finishes_the_step_saves_and_resumes_bitwise(tmp_path, reference
     assert stopped_at == ledger_max_step(out) + 1, "the stop checkpoint holds the last completed step"
     resumed = run_recipe(out, 2, [f"train.steps={STEPS}", ckpt, "checkpoint.every_steps=4", "train.audit_samples=true"])
     assert resumed["start_step"] == stopped_at
-    assert resumed["param_digest"] == reference["param_digest"]
+    assert_same_train_state(resumed, reference)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_loading_the_final_checkpoint_restores_parameters_and_optimizer_state_bitwise(tmp_path, reference,
+                                                                                   reference_dir, nproc):
+    """Nothing is left to train, so the summary's digests are those of the loaded state (resharded to `nproc`):
+    a resume that restored the parameters but not the optimizer (moments, step counts, learning rate) shows only
+    in the optimizer digest."""
+    final = [c.url for c in list_checkpoints(open_storage(f"{reference_dir}/ckpt")) if c.valid and c.step == STEPS]
+    assert final, "the reference saves its last step"
+    loaded = run_recipe(tmp_path / "run", nproc, [f"train.steps={STEPS}", f"checkpoint.url={tmp_path}/ckpt",
+                                                 f"checkpoint.resume={final[0]}"])
+    assert loaded["start_step"] == loaded["final_step"] == STEPS and not loaded["losses"]
+    assert_same_train_state(loaded, reference)
 
 
 def test_resume_across_world_sizes_2_1_3_consumes_every_sample_exactly_once(tmp_path, reference):
