@@ -32,6 +32,17 @@ def expected_samples(step: int) -> list[int]:
     return sorted(order.lookup(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)))
 
 
+def spans(sizes: dict[int, int]) -> str:
+    """`{0: 2, 1: 2, 2: 1}` -> "steps 0-1 on 2, step 2 on 1" (world size per run of steps), for messages."""
+    runs: list[list[int]] = []  # [first step, last step, world size]
+    for step in sorted(sizes):
+        if runs and runs[-1][1] == step - 1 and runs[-1][2] == sizes[step]:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, sizes[step]])
+    return ", ".join(f"steps {a}-{b} on {w}" if a != b else f"step {a} on {w}" for a, b, w in runs) or "no steps"
+
+
 class Node:
     """One `elastictrain run` agent process and its log."""
 
@@ -144,6 +155,11 @@ class Job:
     def valid_checkpoints(self) -> set[int]:
         return {c.step for c in list_checkpoints(open_storage(self.ckpt_view)) if c.valid}
 
+    def checkpoint_world_sizes(self) -> dict[int, int]:
+        """step -> the world size each valid checkpoint was written at (from its manifest)."""
+        return {c.step: c.manifest.metadata.world_size for c in list_checkpoints(open_storage(self.ckpt_view))
+                if c.valid and c.manifest is not None}
+
     def committed(self) -> dict[int, dict]:
         """step -> {"world_size", "samples"} from the newest launch that ran it (the history the model saw)."""
         newest: dict[int, tuple] = {}
@@ -155,6 +171,17 @@ class Job:
             elif key == cur[0]:
                 cur[2].extend(r["samples"])
         return {s: {"world_size": ws, "samples": sorted(samples)} for s, (_, ws, samples) in newest.items()}
+
+    def assert_world_sizes(self, expected: dict[int, int]) -> None:
+        """Every committed step ran at its expected world size (sample ledger), and every valid checkpoint was
+        written at the world size of the step before it (its manifest): two records that must agree."""
+        ran = {s: c["world_size"] for s, c in self.committed().items()}
+        assert ran == expected, f"committed history: {spans(ran)}; expected: {spans(expected)}"
+        written = self.checkpoint_world_sizes()
+        assert written, "no valid checkpoint to check"
+        wanted = {s: expected[s - 1] for s in written if s > 0}
+        assert {s: w for s, w in written.items() if s > 0} == wanted, \
+            f"checkpoints written at world sizes {sorted(written.items())}, expected {sorted(wanted.items())}"
 
     def teardown(self) -> None:
         for n in self.nodes:

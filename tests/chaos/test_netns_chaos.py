@@ -7,7 +7,8 @@ every killed, drained or partitioned host comes back. The job runs with `--nnode
 ranks, the world size of the uninterrupted reference: the final parameters must be bitwise the reference's.
 
 Asserted: no namespace routes outside the test subnet; the job finishes; every committed step consumed exactly the
-samples of an uninterrupted run (exactly once); bitwise final parameters and losses; every checkpoint seen
+samples of an uninterrupted run (exactly once) and ran on 3 ranks (sample ledger and checkpoint manifests); bitwise
+final parameters, optimizer state and losses; every checkpoint seen
 COMMITTED during the run is still valid at the end (retention keeps all: keep_last is high) unless the test
 corrupted it; no resume loaded a corrupted or uncommitted checkpoint, and the corrupted one was skipped by the
 resume that followed it; a partitioned host's own agent stopped its stuck workers; a stopped worker was declared
@@ -43,6 +44,7 @@ from elastictrain.runtime.audit import committed_timeline
 from tests.chaos.cluster import Job, expected_samples
 from tests.chaos.netns import Fabric, NetnsS3Server, netns_unavailable
 from tests.chaos.netns_target import NetnsTarget
+from tests.integration.recipe_runs import assert_same_train_state
 
 pytestmark = [
     pytest.mark.slow,
@@ -53,6 +55,7 @@ pytestmark = [
 HOSTS = ["node1", "node2", "node3"]
 NNODES = "3:3"
 STEPS = 130
+ON_THREE = {s: 3 for s in range(STEPS)}
 SEED = 20261202
 BUCKET = "chaos"
 # Faults fire once the job has newly completed a step (progress between faults, whatever the machine's speed);
@@ -137,6 +140,7 @@ def reference(world: World, tmp_path_factory) -> dict:
         assert job.wait(nodes, timeout=400) == [0, 0, 0], job.logs()
         summary = job.summary()
         assert summary["world_size"] == 3 and summary["start_step"] == 0 and summary["final_step"] == STEPS
+        job.assert_world_sizes(ON_THREE)
         return summary
     finally:
         job.teardown()
@@ -227,11 +231,8 @@ def check_outcome(job: Job, target: NetnsTarget, reference: dict, records: list[
     assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
         "every step must consume exactly the samples of an uninterrupted run, once"
 
-    sizes = {s: c["world_size"] for s, c in job.committed().items()}
-    assert set(sizes.values()) == {reference["world_size"]}, f"--nnodes {NNODES}: every step ran on 3 ranks"
-    assert summary["param_digest"] == reference["param_digest"], "same world size: must be bitwise identical"
-    for step, loss in summary["losses"].items():  # the final launch's steps
-        assert loss == reference["losses"][step], step
+    job.assert_world_sizes(ON_THREE)  # --nnodes 3:3
+    assert_same_train_state(summary, reference)  # same world size: bitwise parameters, optimizer state, losses
 
     corrupted = {c.step for c in target.corrupted}
     lost = seen - verified_checkpoints(job) - corrupted
