@@ -6,15 +6,23 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.cursor import GlobalOrder
 from tests.integration.recipe_runs import (
-    assert_same_train_state, ledger_max_step, run_recipe, start_recipe, worker_pids,
+    assert_same_train_state,
+    ledger_max_step,
+    run_recipe,
+    start_recipe,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.slow
@@ -101,6 +109,27 @@ def test_loading_the_final_checkpoint_restores_parameters_and_optimizer_state_bi
                                                  f"checkpoint.resume={final[0]}"])
     assert loaded["start_step"] == loaded["final_step"] == STEPS and not loaded["losses"]
     assert_same_train_state(loaded, reference)
+
+
+def optimizer_steps(ckpt: Path) -> set[float]:
+    """The per-parameter AdamW step counts saved in a checkpoint directory."""
+    reader = FileSystemReader(ckpt)
+    prefix, suffix = "optim.state.", ".step"
+    fqns = [k[len(prefix):-len(suffix)] for k in reader.read_metadata().state_dict_metadata
+            if k.startswith(prefix) and k.endswith(suffix)]
+    state = {"optim": {"state": {fqn: {"step": torch.zeros(())} for fqn in fqns}}}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {float(s["step"]) for s in state["optim"]["state"].values()}
+
+
+def test_the_optimizer_stepped_once_per_training_step(reference, reference_dir):
+    """AdamW's step count (its bias correction) in every checkpoint equals the training step: nothing stepped the
+    optimizer outside training (torch's get_optimizer_state_dict, for one, runs a zero-lr step on an optimizer
+    that has no state yet, and bitwise comparisons between runs of the same code do not see it)."""
+    saved = [c for c in list_checkpoints(open_storage(f"{reference_dir}/ckpt")) if c.valid]
+    assert saved, "the reference saves checkpoints"
+    for c in saved:
+        assert optimizer_steps(reference_dir / "ckpt" / c.dirname) == {float(c.step)}, c.dirname
 
 
 def test_resume_across_world_sizes_2_1_3_consumes_every_sample_exactly_once(tmp_path, reference):
