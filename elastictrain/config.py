@@ -93,7 +93,8 @@ class TrainConfig:
     """Leave (saving a checkpoint) once this global step is done, e.g. before maintenance; the LR schedule
     still spans train.steps. 0: run to train.steps."""
     param_digest: bool = True
-    """sha256 of the final full parameters in the summary (a full gather to rank 0: off for big models)."""
+    """sha256 of the final full parameters and of the full optimizer state in the summary (`param_digest`,
+    `optim_digest`; full gathers: off for big models)."""
     audit_samples: bool = False
     """Append every step's consumed sample ids per rank to <output_dir>/samples/ (exactly-once audits)."""
 
