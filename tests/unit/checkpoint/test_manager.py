@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -73,6 +74,29 @@ def test_async_save_snapshots_state_at_save_time(tmp_path):
     model2, state2 = make_state(4)
     manager(tmp_path).load_latest(state2)
     assert torch.equal(model2.weight, before)
+
+
+def test_first_async_save_after_load_latest_allocates_no_staging_buffers(tmp_path, monkeypatch):
+    """load_latest readies the staging buffers, so that the first save after a (re)start only copies (item 8:
+    the first async save blocked 9.8 s against 0.15 s for the later ones, allocating them)."""
+    m = manager(tmp_path)
+    model, state = make_state()
+    assert m.load_latest(state) is None  # a fresh start still prepares
+    training_thread, allocations, empty = threading.get_ident(), [], torch.empty
+
+    def spy(*args, **kwargs):
+        if threading.get_ident() == training_thread:
+            allocations.append(args)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    m.save(1, state)
+    monkeypatch.setattr(torch, "empty", empty)
+    m.close()
+    assert allocations == []
+    _, state2 = make_state(5)
+    manager(tmp_path).load_latest(state2)
+    assert torch.equal(state2["model"].weight, model.weight)
 
 
 def test_resume_never_and_resume_url(tmp_path):
