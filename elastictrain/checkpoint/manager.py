@@ -30,9 +30,10 @@ At start-up the storage is probed: a misconfiguration (credentials, missing buck
 StorageError; an unreachable endpoint is retried for `storage_wait_s` (`checkpoint_storage_unreachable
 {error}`), then raises; a full disk only logs and reports `checkpoint_storage_full {error}`.
 
-Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s}, checkpoint_failed {step, url,
-error, consecutive}, checkpoint_loaded {step, url, world_size, verify_s}, checkpoint_skipped {url, reason},
-checkpoint_deleted {url}.
+Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s, bytes}, checkpoint_failed {step, url,
+error, consecutive}, checkpoint_loaded {step, url, saved_world_size, verify_s}, checkpoint_skipped {url, reason},
+checkpoint_deleted {url}, checkpoint_storage_full {error}, checkpoint_storage_unreachable {error}. saved, failed
+and loaded are reported on every rank alike; the others on rank 0 only. `bytes`: the data DCP wrote, all ranks.
 
 Staging: once `load_latest(state)` is done, the buffers of async saves are allocated for states shaped like
 `state` and faulted in on a background thread: the first save after a (re)start blocks no longer than later ones.
@@ -52,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from elastictrain.checkpoint import compat
 from elastictrain.checkpoint.commit import CommittingWriter
@@ -104,6 +106,12 @@ class _InFlight:
     done: CFuture = field(default_factory=CFuture)
     """Set to None on success, or to the save's exception, after retention ran."""
     deleted: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _data_bytes(metadata: Metadata) -> int:
+    """Bytes of data a DCP save wrote (every rank's items; .metadata and the manifest not counted)."""
+    return sum(getattr(info, "length", 0) for info in (metadata.storage_data or {}).values())
 
 
 def _short(exc: BaseException) -> str:
@@ -270,12 +278,13 @@ class CheckpointManager:
         t0 = time.monotonic()
         if blocking or not self.cfg.async_save:
             try:
-                dcp.save(state, storage_writer=writer, process_group=self._dcp_pg, no_dist=not self._distributed)
+                saved = dcp.save(state, storage_writer=writer, process_group=self._dcp_pg,
+                                 no_dist=not self._distributed)
             except (Exception, CheckpointException) as e:
                 self._record_failure(step, url, e)
                 return False
             elapsed = time.monotonic() - t0
-            self._record_success(step, url, elapsed, elapsed)
+            self._record_success(step, url, elapsed, elapsed, _data_bytes(saved))
             for deleted in self._retain():
                 self._emit("checkpoint_deleted", url=deleted)
             return True
@@ -295,6 +304,7 @@ class CheckpointManager:
         # "save in flight" window so that the next save cannot start while it deletes.
         exc = fut.exception()
         if exc is None:
+            flight.nbytes = _data_bytes(fut.result())
             flight.deleted = self._retain()
         flight.done.set_result(exc)
 
@@ -307,10 +317,11 @@ class CheckpointManager:
             log.warning("retention under %s failed: %s", self.storage.url, e)
             return []
 
-    def _record_success(self, step: int, url: str, blocking_s: float, total_s: float) -> None:
+    def _record_success(self, step: int, url: str, blocking_s: float, total_s: float, nbytes: int) -> None:
         self._failures = 0
-        log.info("checkpoint step %d saved to %s (blocked %.3fs, total %.3fs)", step, url, blocking_s, total_s)
-        self._emit("checkpoint_saved", step=step, url=url, blocking_s=blocking_s, total_s=total_s)
+        log.info("checkpoint step %d saved to %s (blocked %.3fs, total %.3fs, %.1f MB)", step, url, blocking_s,
+                 total_s, nbytes / 1e6)
+        self._emit("checkpoint_saved", step=step, url=url, blocking_s=blocking_s, total_s=total_s, bytes=nbytes)
 
     def _record_failure(self, step: int, url: str, exc: BaseException) -> None:
         self._failures += 1
@@ -346,7 +357,8 @@ class CheckpointManager:
             return
         exc = flight.done.result()
         if exc is None:
-            self._record_success(flight.step, flight.url, flight.blocking_s, time.monotonic() - flight.started)
+            self._record_success(flight.step, flight.url, flight.blocking_s, time.monotonic() - flight.started,
+                                 flight.nbytes)
             for deleted in flight.deleted:
                 self._emit("checkpoint_deleted", url=deleted)
         else:
@@ -485,7 +497,8 @@ class CheckpointManager:
         self._last_saved_step = md.step
         self._last_save_time = time.monotonic()
         log.info("resumed from %s (step %d, written at world size %d)", info.url, md.step, md.world_size)
-        self._emit("checkpoint_loaded", step=md.step, url=info.url, world_size=md.world_size, verify_s=verify_s)
+        self._emit("checkpoint_loaded", step=md.step, url=info.url, saved_world_size=md.world_size,
+                   verify_s=verify_s)
         self._prepare_staging(state)
         return LoadedCheckpoint(step=md.step, world_size=md.world_size, url=info.url, metadata=md,
                                 missing_keys=absent, version_warnings=version_warnings)

@@ -1,4 +1,9 @@
-"""`elastictrain events [--since] [--follow]`: the job's event log (agents' and operators' events), oldest first."""
+"""`elastictrain events [--since] [--follow] [--kind K]`: the job's event log, oldest first.
+
+Agents' events, operators' commands, and the checkpoint events the workers report through their agent
+(`checkpoint_saved` step, seconds, bytes; `checkpoint_failed` cause; storage full or unreachable; a corrupt
+checkpoint skipped at load).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ import re
 import sys
 import time
 from datetime import datetime
-from typing import Optional
+from typing import Any, Optional
 
 from elastictrain.agent.status import read_events
 from elastictrain.cli import target as tgt
+from elastictrain.cli.ckpt import human_bytes
 from elastictrain.cli.jobview import event_dict
 from elastictrain.cli.status import format_event
 from elastictrain.errors import ConfigError
@@ -39,6 +45,14 @@ def parse_since(text: Optional[str], now: Optional[float] = None) -> float:
                           f"time (2026-12-02T12:00:00)") from None
 
 
+def readable(d: dict[str, Any]) -> dict[str, Any]:
+    """An event for the text output: a size in bytes as MiB/GiB (`--json` keeps the number)."""
+    size = d["fields"].get("bytes")
+    if not isinstance(size, int):
+        return d
+    return {**d, "fields": {**d["fields"], "bytes": human_bytes(size).replace(" ", "")}}
+
+
 def _cmd_events(args: argparse.Namespace) -> int:
     since = parse_since(args.since)
     target = tgt.connect(args)
@@ -53,7 +67,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
                 d = event_dict(e)
                 if args.kind and e.kind not in args.kind:
                     continue
-                sys.stdout.write((json.dumps(d, default=str) if args.json else format_event(d)) + "\n")
+                sys.stdout.write((json.dumps(d, default=str) if args.json else format_event(readable(d))) + "\n")
                 since = max(since, e.time)
             sys.stdout.flush()
             if not args.follow:
@@ -66,7 +80,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("events", help="the job's event log (join, failure, hang, restart, control, ...)",
+    p = sub.add_parser("events", help="the job's event log (join, failure, hang, restart, checkpoint_saved, ...)",
                        description=__doc__)
     tgt.add_target_args(p)
     p.add_argument("--since", default=None, help="only newer events: 30s, 10m, 2h, 1d ago, a Unix or ISO time")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from elastictrain.checkpoint.manager import CheckpointManager
+from elastictrain.checkpoint.manager import CheckpointManager, EventSink
 from elastictrain.config import JobConfig
+from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.session import Session
 
 if TYPE_CHECKING:
@@ -15,8 +16,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _log_event(name: str, fields: dict[str, Any]) -> None:
-    log.debug("event %s %s", name, fields, extra={"fields": {"event": name, **fields}})
+def event_sink(heartbeat: Heartbeat, rank: int) -> EventSink:
+    """Checkpoint events: logged on every rank, and sent to the job's event log (etcd, via the agent) by rank 0.
+
+    Every rank sees a save or a load alike (DCP makes one rank's failure every rank's), and the events that
+    only one rank reports come from rank 0: rank 0's copy is the whole story, once.
+    """
+    def sink(name: str, fields: dict[str, Any]) -> None:
+        log.debug("event %s %s", name, fields, extra={"fields": {"event": name, **fields}})
+        if rank == 0:
+            # Durations to the millisecond: what an operator reads, and a shorter datagram.
+            heartbeat.event(name, **{k: round(v, 3) if isinstance(v, float) else v for k, v in fields.items()})
+    return sink
 
 
 class RecipeCheckpointer:
@@ -26,7 +37,8 @@ class RecipeCheckpointer:
         self.cfg = cfg.checkpoint
         self.mgr = CheckpointManager(
             cfg.checkpoint, fingerprint=cfg.fingerprint(), rank=session.rank, world_size=session.world_size,
-            on_event=_log_event, extra_metadata={"hf_config": trainer.model.config.to_dict()})
+            on_event=event_sink(trainer.heartbeat, session.rank),
+            extra_metadata={"hf_config": trainer.model.config.to_dict()})
         self._last_saved: Optional[int] = None
 
     def restore(self, trainer: "Trainer") -> Optional[str]:

@@ -9,11 +9,17 @@ microsecond in the common case. The agent needs progress, not every step: it der
 (time, step) deltas between the beats it does receive.
 
 The socket path lives in a 0700 directory made by the agent, so other users cannot spoof beats.
+
+The same channel carries worker events for the job's event log (``Heartbeat.event``: checkpoint saved, failed,
+skipped...): workers have no etcd client, and their agent already publishes its own events there. An event is a
+second kind of datagram: a small versioned header, then the event as JSON, at most ``MAX_EVENT_BYTES``. It is
+sent like a beat, never blocking; one that cannot be sent is dropped and logged (the first drop only).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -21,7 +27,8 @@ import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,20 @@ _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
 _WIRE_VERSION = 1
 # version, phase, local_rank, pid, step, worker monotonic time
 _WIRE = struct.Struct("<BBHiqd")
+
+MAX_EVENT_BYTES = 8192
+"""Largest JSON payload of a worker event; longer text fields are cut to fit (a failure's cause can be long)."""
+
+WORKER_EVENT_PREFIXES: tuple[str, ...] = ("checkpoint_",)
+"""Kinds a worker may report. The agent's own kinds (join, failure, ...) change a node's state; these never do."""
+
+_EVENT_MAGIC = ord("E")  # first byte of an event datagram; beats start with their wire version (1)
+_EVENT_VERSION = 1
+# magic, version, local_rank, pid, global rank (-1: unknown); then the JSON payload
+_EVENT_HEAD = struct.Struct("<BBHii")
+MAX_DATAGRAM_BYTES = _EVENT_HEAD.size + MAX_EVENT_BYTES
+"""The agent's receive size: any datagram a worker sends fits."""
+_CUT_TEXT = 512
 
 _PR_SET_PDEATHSIG = 1
 
@@ -71,17 +92,77 @@ class Beat:
         return cls(local_rank=local_rank, pid=pid, step=step, phase=PHASES[phase], time=t)
 
 
-class Heartbeat:
-    """Emits (step, phase) progress to the agent; a no-op when the worker was not started by our agent."""
+@dataclass(frozen=True)
+class WorkerEvent:
+    """One event a worker reports for the job's event log, as it crosses the process boundary."""
 
-    def __init__(self, addr: str | None, local_rank: int = 0, min_interval_s: float = DEFAULT_MIN_INTERVAL_S):
+    local_rank: int
+    rank: int | None
+    """The worker's global rank (None when unknown)."""
+    pid: int
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def pack(self) -> bytes:
+        """Header + JSON; text fields are cut so that it fits; ValueError if it still does not."""
+        payload = _event_json(self.kind, self.fields)
+        if len(payload) > MAX_EVENT_BYTES:
+            cut = {k: v[:_CUT_TEXT] + "..." if isinstance(v, str) and len(v) > _CUT_TEXT else v
+                   for k, v in self.fields.items()}
+            payload = _event_json(self.kind, cut)
+        if len(payload) > MAX_EVENT_BYTES:
+            raise ValueError(f"worker event {self.kind} is {len(payload)} bytes of JSON, more than {MAX_EVENT_BYTES}")
+        rank = -1 if self.rank is None else self.rank
+        return _EVENT_HEAD.pack(_EVENT_MAGIC, _EVENT_VERSION, self.local_rank, self.pid, rank) + payload
+
+    @classmethod
+    def unpack(cls, data: bytes) -> WorkerEvent:
+        """Decode a datagram; raises ValueError on anything that is not a worker event of this version."""
+        if len(data) < _EVENT_HEAD.size:
+            raise ValueError(f"event datagram has {len(data)} bytes, shorter than its header")
+        magic, version, local_rank, pid, rank = _EVENT_HEAD.unpack_from(data)
+        if magic != _EVENT_MAGIC or version != _EVENT_VERSION:
+            raise ValueError(f"not a worker event of version {_EVENT_VERSION} (first bytes {magic}, {version})")
+        try:
+            body = json.loads(data[_EVENT_HEAD.size:])
+            kind, fields = body["kind"], body["fields"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"worker event payload unreadable: {e}") from None
+        if not isinstance(fields, dict) or not is_worker_event_kind(kind):
+            raise ValueError(f"worker event of kind {kind!r} is not one a worker may report")
+        return cls(local_rank=local_rank, rank=None if rank < 0 else rank, pid=pid, kind=kind, fields=fields)
+
+
+def _event_json(kind: str, fields: dict[str, Any]) -> bytes:
+    return json.dumps({"kind": kind, "fields": fields}, default=str, separators=(",", ":")).encode()
+
+
+def is_worker_event_kind(kind: Any) -> bool:
+    """Whether a worker may report events of this kind (see ``WORKER_EVENT_PREFIXES``)."""
+    return isinstance(kind, str) and kind.startswith(WORKER_EVENT_PREFIXES)
+
+
+def decode(data: bytes) -> Beat | WorkerEvent:
+    """A datagram from the heartbeat socket, beat or event; ValueError on anything else."""
+    if data[:1] == bytes([_EVENT_MAGIC]):
+        return WorkerEvent.unpack(data)
+    return Beat.unpack(data)
+
+
+class Heartbeat:
+    """Emits (step, phase) progress and worker events to the agent; a no-op when not started by our agent."""
+
+    def __init__(self, addr: str | None, local_rank: int = 0, min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
+                 rank: int | None = None):
         self._addr = addr
         self._local_rank = local_rank
+        self._rank = rank
         self._min_interval = min_interval_s
         self._last_sent = float("-inf")
         self._last_phase = ""
         self._sock: socket.socket | None = None
         self._warned = False
+        self._event_warned = False
         if addr is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -99,7 +180,9 @@ class Heartbeat:
             die_with_parent(int(agent_pid))
         addr = os.environ.get(ENV_HEARTBEAT_ADDR) or None
         interval = float(os.environ.get(ENV_HEARTBEAT_MIN_INTERVAL, DEFAULT_MIN_INTERVAL_S))
-        hb = cls(addr, local_rank=int(os.environ.get("LOCAL_RANK", 0)), min_interval_s=interval)
+        rank = os.environ.get("RANK")
+        hb = cls(addr, local_rank=int(os.environ.get("LOCAL_RANK", 0)), min_interval_s=interval,
+                 rank=int(rank) if rank else None)
         hb.beat(0, "init")
         return hb
 
@@ -127,6 +210,23 @@ class Heartbeat:
             if not self._warned:
                 self._warned = True
                 log.warning("heartbeat to %s dropped (%s); further drops are not logged", self._addr, e)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Report an event for the job's event log (through the agent); ``kind`` starts with ``checkpoint_``.
+
+        Never blocks and never raises on a failed send: the event is then lost, and the first loss is logged.
+        """
+        if not is_worker_event_kind(kind):
+            raise ValueError(f"worker event kind {kind!r} must start with one of {', '.join(WORKER_EVENT_PREFIXES)}")
+        if self._sock is None:
+            return
+        try:
+            data = WorkerEvent(self._local_rank, self._rank, os.getpid(), kind, fields).pack()
+            self._sock.sendto(data, self._addr)
+        except (OSError, ValueError) as e:
+            if not self._event_warned:
+                self._event_warned = True
+                log.warning("worker event %s to %s dropped (%s); further drops are not logged", kind, self._addr, e)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -1,6 +1,8 @@
-"""Worker heartbeats (elastictrain/runtime/heartbeat.py) into the agent's socket (agent._HeartbeatChannel)."""
+"""Worker heartbeats and events (elastictrain/runtime/heartbeat.py) into the agent's socket (agent._HeartbeatChannel)."""
 
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -8,8 +10,10 @@ import time
 import psutil
 import pytest
 
-from elastictrain.agent.agent import _HeartbeatChannel
-from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat, Heartbeat
+from elastictrain.agent.agent import ElasticAgent, _HeartbeatChannel
+from elastictrain.runtime.heartbeat import (
+    ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, MAX_EVENT_BYTES, Beat, Heartbeat, WorkerEvent, decode,
+)
 
 
 @pytest.fixture
@@ -33,7 +37,8 @@ def test_beats_reach_the_agent_with_rank_pid_step_phase(channel, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     hb = Heartbeat.from_env()  # announces the worker: beat(0, "init")
     hb.beat(7, "train")
-    [b0, b1] = channel.drain()
+    [b0, b1], events = channel.drain()
+    assert events == []
     assert (b0.local_rank, b0.pid, b0.step, b0.phase) == (3, os.getpid(), 0, "init")
     assert (b1.step, b1.phase) == (7, "train")
     assert abs(b1.time - time.monotonic()) < 1.0
@@ -46,7 +51,7 @@ def test_beats_are_throttled_but_phase_changes_always_sent(channel):
         hb.beat(step, "train")
     hb.beat(100, "save")
     hb.beat(100, "train")
-    assert [(b.step, b.phase) for b in channel.drain()] == [(0, "train"), (100, "save"), (100, "train")]
+    assert [(b.step, b.phase) for b in channel.drain()[0]] == [(0, "train"), (100, "save"), (100, "train")]
 
 
 def test_unknown_phase_is_an_error(channel):
@@ -66,7 +71,7 @@ def test_full_agent_queue_drops_beats_without_blocking(channel):
     for step in range(5000):
         hb.beat(step, "train")
     assert time.monotonic() - t0 < 2.0
-    assert 0 < len(channel.drain()) <= 5000
+    assert 0 < len(channel.drain()[0]) <= 5000
 
 
 def test_beat_every_step_costs_microseconds(channel):
@@ -84,6 +89,82 @@ def test_wire_format_roundtrip_and_garbage_rejected():
     assert Beat.unpack(b.pack()) == b
     with pytest.raises(ValueError):
         Beat.unpack(b"garbage")
+
+
+def test_worker_events_reach_the_agent_between_beats_with_rank_kind_and_fields(channel, monkeypatch):
+    monkeypatch.setenv(ENV_HEARTBEAT_ADDR, channel.addr)
+    monkeypatch.setenv(ENV_AGENT_PID, str(os.getppid()))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "5")
+    hb = Heartbeat.from_env()
+    hb.event("checkpoint_saved", step=10, url="file:///c/step-00000010", blocking_s=0.012, total_s=1.5, bytes=123)
+    hb.beat(10, "train")
+    beats, events = channel.drain()
+    assert [b.step for b in beats] == [0, 10]
+    assert events == [WorkerEvent(local_rank=1, rank=5, pid=os.getpid(), kind="checkpoint_saved",
+                                  fields={"step": 10, "url": "file:///c/step-00000010", "blocking_s": 0.012,
+                                          "total_s": 1.5, "bytes": 123})]
+    hb.close()
+
+
+def test_an_event_with_a_long_cause_is_cut_to_fit_one_datagram(channel):
+    hb = Heartbeat(channel.addr)
+    hb.event("checkpoint_failed", step=3, error="x" * (4 * MAX_EVENT_BYTES))
+    [ev] = channel.drain()[1]
+    assert ev.fields["step"] == 3 and ev.fields["error"].startswith("xxx") and ev.fields["error"].endswith("...")
+    assert len(ev.fields["error"]) < MAX_EVENT_BYTES
+
+
+def test_an_event_too_large_even_when_cut_is_dropped_and_logged_once(channel, caplog):
+    hb = Heartbeat(channel.addr)
+    many = {f"k{i}": i for i in range(MAX_EVENT_BYTES // 4)}
+    with caplog.at_level(logging.WARNING, logger="elastictrain.runtime.heartbeat"):
+        hb.event("checkpoint_saved", **many)
+        hb.event("checkpoint_saved", **many)
+    assert channel.drain()[1] == []
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+
+
+def test_events_without_an_agent_never_raise(tmp_path):
+    Heartbeat(None).event("checkpoint_saved", step=1)
+    Heartbeat(str(tmp_path / "gone.sock")).event("checkpoint_saved", step=1)
+
+
+def test_only_worker_event_kinds_are_sent_or_accepted(channel):
+    with pytest.raises(ValueError, match="checkpoint_"):
+        Heartbeat(channel.addr).event("join", step=1)
+    # A datagram claiming an agent kind (it would change the node's state in status) is ignored by the agent.
+    forged = WorkerEvent(0, 0, 1, "checkpoint_saved", {}).pack().replace(b'"checkpoint_saved"', b'"succeeded"')
+    with pytest.raises(ValueError, match="succeeded"):
+        decode(forged)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(forged, channel.addr)
+    assert channel.drain() == ([], [])
+
+
+def test_event_wire_format_roundtrip_and_garbage_rejected():
+    ev = WorkerEvent(local_rank=3, rank=None, pid=42, kind="checkpoint_skipped", fields={"url": "u", "reason": "r"})
+    assert decode(ev.pack()) == ev
+    for bad in (b"E", b"E\x01" + b"\0" * 10 + b"{not json", b"E\x09" + b"\0" * 10 + b"{}"):
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+class _Recorder:
+    def __init__(self):
+        self.emitted = []
+
+    def _emit(self, kind, **fields):
+        self.emitted.append((kind, fields))
+
+
+def test_agent_emits_worker_events_with_the_reporting_rank_and_keeps_its_own_fields():
+    agent = _Recorder()
+    ElasticAgent._emit_worker_events(agent, [
+        WorkerEvent(0, 2, 99, "checkpoint_loaded", {"step": 10, "saved_world_size": 4, "node": "forged",
+                                                     "world_size": 1, "restart_count": 7}),
+    ])
+    assert agent.emitted == [("checkpoint_loaded", {"step": 10, "saved_world_size": 4, "rank": 2})]
 
 
 def _run_child(code: str, env: dict) -> subprocess.CompletedProcess:

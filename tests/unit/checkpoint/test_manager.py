@@ -56,8 +56,9 @@ def test_round_trip_restores_state_and_step_and_reports_missing_per_rank_keys(tm
     assert [e[0] for e in events] == ["checkpoint_saved"]
     model2, state2 = make_state(2)
     state2["rng/rank1"] = torch.zeros(3)  # as on a larger world: not in the checkpoint
-    loaded = manager(tmp_path).load_latest(state2)
+    loaded = manager(tmp_path, events).load_latest(state2)
     assert loaded.step == 5 and loaded.world_size == 1 and loaded.metadata.fingerprint == FP
+    assert events[-1][0] == "checkpoint_loaded" and events[-1][1]["saved_world_size"] == 1
     assert loaded.missing_keys == ["rng/rank1"]
     assert state2["trainer"] == {"step": 5, "samples": 80}
     assert torch.equal(model2.weight, model.weight) and torch.equal(state2["rng/rank0"], state["rng/rank0"])
@@ -74,6 +75,18 @@ def test_async_save_snapshots_state_at_save_time(tmp_path):
     model2, state2 = make_state(4)
     manager(tmp_path).load_latest(state2)
     assert torch.equal(model2.weight, before)
+
+
+def test_saved_event_counts_the_bytes_written_by_sync_and_async_saves(tmp_path):
+    events = []
+    m = manager(tmp_path, events)
+    _, state = make_state()
+    m.save(1, state, blocking=True)
+    m.save(2, state)
+    m.close()
+    data = [os.path.getsize(tmp_path / "ck" / f"step-{s:08d}" / "__0_0.distcp") for s in (1, 2)]
+    assert [(n, f["step"], f["bytes"]) for n, f in events] == [("checkpoint_saved", 1, data[0]),
+                                                                ("checkpoint_saved", 2, data[1])]
 
 
 def test_first_async_save_after_load_latest_allocates_no_staging_buffers(tmp_path, monkeypatch):
