@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict
@@ -93,9 +93,9 @@ class ReusedCpuStager(AsyncStager):
 
     def __init__(self, share_memory: bool = False) -> None:
         self._share_memory = share_memory
-        self._cache: Optional[dict[str, Any]] = None
+        self._cache: dict[str, Any] | None = None
         self._sig: Any = None
-        self._warming: Optional[threading.Thread] = None
+        self._warming: threading.Thread | None = None
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
         """Allocate buffers for states shaped like `state_dict` (a plain one) and fault them in on a background thread.
