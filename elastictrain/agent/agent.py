@@ -35,7 +35,9 @@ from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerH
 from elastictrain.agent.spares import WarmPool
 from elastictrain.errors import AgentError
 from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_REFORM
-from elastictrain.runtime.heartbeat import ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, Beat
+from elastictrain.runtime.heartbeat import (
+    ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, MAX_DATAGRAM_BYTES, Beat, WorkerEvent, decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,8 @@ _UNIX_PATH_MAX = 107
 
 EVENT_KINDS = ("join", "restart", "failure", "hang", "reform", "succeeded", "leave", "fatal", "budget_exhausted",
                "crash_loop", "no_progress")
-"""Kinds passed to ``AgentEventListener.on_event``."""
+"""The agent's own kinds passed to ``AgentEventListener.on_event``; workers' events (``checkpoint_*``, see
+``runtime.heartbeat.WORKER_EVENT_PREFIXES``) are passed on too."""
 
 
 class AgentEventListener(Protocol):
@@ -93,18 +96,25 @@ class _HeartbeatChannel:
         self._sock.bind(self.addr)
         self._sock.setblocking(False)
 
-    def drain(self) -> list[Beat]:
+    def drain(self) -> tuple[list[Beat], list[WorkerEvent]]:
+        """Everything the workers sent since the last call: their beats, and their events for the event log."""
         beats: list[Beat] = []
+        events: list[WorkerEvent] = []
         for _ in range(_MAX_DRAIN):
             try:
-                data = self._sock.recv(256)
+                data = self._sock.recv(MAX_DATAGRAM_BYTES)
             except BlockingIOError:
                 break
             try:
-                beats.append(Beat.unpack(data))
+                msg = decode(data)
             except ValueError as e:
                 log.debug("ignoring datagram on heartbeat socket: %s", e)
-        return beats
+                continue
+            if isinstance(msg, Beat):
+                beats.append(msg)
+            else:
+                events.append(msg)
+        return beats, events
 
     def close(self) -> None:
         self._sock.close()
@@ -217,7 +227,8 @@ class ElasticAgent(LocalElasticAgent):
         # environment on: setting them here needs no copy of torch's per-worker env construction.
         os.environ[ENV_HEARTBEAT_ADDR] = channel.addr
         os.environ[ENV_AGENT_PID] = str(os.getpid())
-        channel.drain()
+        # The old group's beats are stale; its events (a save that finished as it stopped) are still news.
+        self._emit_worker_events(channel.drain()[1])
         self._pending_hang = []
         self._last_tick = None
         if self._warm is None:
@@ -314,8 +325,10 @@ class ElasticAgent(LocalElasticAgent):
             # Also when the group just failed: the beats a worker sent right before it died say which step it
             # reached (the restart record and crash-loop detection use it). Seen: a worker that crashed 0.15 s
             # after resuming was charged as failing at step 0, its two train beats left unread in the socket.
-            for beat in self._channel.drain():
+            beats, events = self._channel.drain()
+            for beat in beats:
                 self._health.record(beat, now)
+            self._emit_worker_events(events)
         if result.state == WorkerState.HEALTHY:
             held_up = now - self._last_tick if self._last_tick is not None else 0.0
             self._last_tick = now
@@ -414,6 +427,14 @@ class ElasticAgent(LocalElasticAgent):
             except (ProcessLookupError, PermissionError):
                 continue
 
+    def _emit_worker_events(self, events: list[WorkerEvent]) -> None:
+        """Workers' events (checkpoints) into the event log like the agent's own, with the reporting rank."""
+        for ev in events:
+            # The agent's own fields win: a worker's field of the same name (world_size sets the node's in
+            # status) must not rewrite what the event says about this node.
+            fields = {k: v for k, v in ev.fields.items() if k not in _AGENT_FIELDS}
+            self._emit(ev.kind, **fields, rank=ev.rank)
+
     def _emit(self, kind: str, **fields: Any) -> None:
         wg = self._worker_group
         base: dict[str, Any] = {
@@ -442,6 +463,9 @@ def _rdzv_round(worker_group: WorkerGroup) -> int:
         raise AgentError("a job-wide restart budget needs a dynamic rendezvous (etcd3 or c10d backend)")
     return int(state.round)
 
+
+_AGENT_FIELDS = frozenset({"time", "node", "agent_pid", "run_id", "group_rank", "restart_count", "world_size", "rank"})
+"""Fields the agent sets on every event (or status reads from one); a worker event cannot override them."""
 
 _NO_ERROR_FILE = "To enable traceback see:"
 """How torch's ProcessFailure message starts when a worker exited with a code and left no error file."""

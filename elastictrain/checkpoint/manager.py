@@ -152,6 +152,8 @@ class CheckpointManager:
         self._ctl_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._in_flight: Optional[_InFlight] = None
         self._stager = ReusedCpuStager(share_memory=cfg.async_mode == "process")
+        self._staging_pending: Optional[dict[str, Any]] = None
+        """A fresh start's state, whose staging buffers are readied after the first step (see `_prepare_staging`)."""
         self._failures = 0
         self._last_saved_step: Optional[int] = None
         self._last_save_time = time.monotonic()
@@ -244,6 +246,9 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether to save after `step`; the same answer on every rank."""
+        if self._staging_pending is not None:
+            state, self._staging_pending = self._staging_pending, None
+            self._prepare_staging(state)
         if self._in_flight is not None and self._in_flight.done.done():
             self.wait()  # records the outcome (events) without blocking
         if self.storage is None or step == self._last_saved_step:
@@ -474,7 +479,9 @@ class CheckpointManager:
         chosen = self._choose()
         if chosen is None:
             log.info("no checkpoint to resume from (resume=%s); starting fresh", self.cfg.resume)
-            self._prepare_staging(state)
+            # Not yet: an optimizer's state_dict() before its first step initialises its state with a zero-lr
+            # step (torch's _init_optim_state), which would count one step too many (AdamW's bias correction).
+            self._staging_pending = state
             return None
         info, storage = chosen
         verify_s = time.monotonic() - t0

@@ -14,6 +14,7 @@ from elastictrain.checkpoint.discovery import find_latest_valid
 from elastictrain.checkpoint.manager import CheckpointManager
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointError, CheckpointMismatchError
+from elastictrain.runtime.train_state import ModelState, OptimizerState
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 FP = {"model": "m1", "data": "d1", "seed": "s1"}
@@ -94,7 +95,8 @@ def test_first_async_save_after_load_latest_allocates_no_staging_buffers(tmp_pat
     the first async save blocked 9.8 s against 0.15 s for the later ones, allocating them)."""
     m = manager(tmp_path)
     model, state = make_state()
-    assert m.load_latest(state) is None  # a fresh start still prepares
+    assert m.load_latest(state) is None
+    m.should_save(1)  # a fresh start readies them after its first step, when every state exists
     training_thread, allocations, empty = threading.get_ident(), [], torch.empty
 
     def spy(*args, **kwargs):
@@ -110,6 +112,22 @@ def test_first_async_save_after_load_latest_allocates_no_staging_buffers(tmp_pat
     _, state2 = make_state(5)
     manager(tmp_path).load_latest(state2)
     assert torch.equal(state2["model"].weight, model.weight)
+
+
+def test_a_fresh_start_leaves_the_optimizer_untouched_until_its_first_step(tmp_path):
+    """Readying staging buffers calls state_dict(); torch initialises an optimizer's missing state with a zero-lr
+    step, which made AdamW count one step too many in every fresh run (bias correction off by one)."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optim)}
+    m = manager(tmp_path)
+    assert m.load_latest(state) is None
+    assert optim.state == {}, "load_latest on a fresh start must not initialise the optimizer"
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    m.should_save(1)
+    assert {int(s["step"]) for s in optim.state.values()} == {1}
+    m.close()
 
 
 def test_resume_never_and_resume_url(tmp_path):
