@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from elastictrain.agent.jobstate import DEFAULT_STALE_AFTER_S, JobView, derive
 from elastictrain.agent.status import JobRecord, NodeStatus, read_job, read_nodes
 from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
 from elastictrain.chaos.schedule import Fault
 from elastictrain.checkpoint.storage import endpoint_of, resolve_options
-from elastictrain.cli.jobview import DEFAULT_STALE_AFTER_S, JobView, derive
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 

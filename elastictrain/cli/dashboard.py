@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Optional
 
+from elastictrain.agent.jobstate import collect
 from elastictrain.cli import target as tgt
-from elastictrain.cli.jobview import collect
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 from datetime import datetime
 from typing import Any, Optional, TextIO
 
+from elastictrain.agent.jobstate import DEFAULT_MAX_RECOVERING_S, DEFAULT_STALE_AFTER_S, JobView, collect
 from elastictrain.cli import target as tgt
-from elastictrain.cli.jobview import DEFAULT_MAX_RECOVERING_S, DEFAULT_STALE_AFTER_S, JobView, collect
 
 EXIT_UNHEALTHY = 1
 

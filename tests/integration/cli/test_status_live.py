@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.cli.jobview import collect
+from elastictrain.agent.jobstate import collect
 from elastictrain.cli.target import Target
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings

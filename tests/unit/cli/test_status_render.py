@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from elastictrain.agent.jobstate import CheckpointView, Rendezvous, derive
 from elastictrain.cli.events import parse_since
-from elastictrain.cli.jobview import CheckpointView, Rendezvous, derive
 from elastictrain.cli.status import format_event, render, table
 from elastictrain.errors import ConfigError
-from tests.unit.cli.test_status_derive import NOW, node
+from tests.unit.agent.test_jobstate import NOW, node
 
 
 def _view():

@@ -1,7 +1,7 @@
-"""Job state and health from hand-made NodeStatus records (elastictrain/cli/jobview.py::derive)."""
+"""Job state and health from hand-made NodeStatus records (elastictrain/agent/jobstate.py)."""
 
 from elastictrain.agent.status import NodeStatus, WorkerStatus
-from elastictrain.cli.jobview import derive
+from elastictrain.agent.jobstate import derive
 
 NOW = 1_000_000.0
 
@@ -95,7 +95,7 @@ def test_rendezvous_state_is_read_without_running_foreign_pickles():
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastictrain.cli.jobview import read_rendezvous
+    from elastictrain.agent.jobstate import read_rendezvous
 
     st = _RendezvousState()
     st.round, st.complete = 4, True

@@ -1,7 +1,8 @@
 """One snapshot of a job as operators see it: read from etcd (and checkpoint storage), judged by pure rules.
 
 `derive()` holds every rule (job state, node staleness, health) and takes plain records, so it is tested
-without services; `collect()` does the reading. Used by `elastictrain status` and the dashboard.
+without services; `collect()` does the reading. Used by `elastictrain status`, the dashboard and the chaos
+runner's local target, so it lives here beside the records it reads (`status.py`), below both.
 
 Node states add: loading (joined, workers not training yet), paused, lost, gone (see `_member`).
 Job states: starting, running, pausing, paused, recovering, finished, stopped (every node left, e.g. drained),
@@ -18,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from elastictrain.agent.budget import RestartBudget, RestartPolicy
+from elastictrain.agent.control import ControlRequest, pause_key
 from elastictrain.agent.status import Event, JobRecord, NodeStatus, read_events, read_job, read_nodes
 
 log = logging.getLogger(__name__)
@@ -202,8 +205,7 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
             stale_after_s: float = DEFAULT_STALE_AFTER_S,
             max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
     """Read everything `status` shows and judge it."""
-    from elastictrain.agent.budget import RestartBudget, RestartPolicy
-    from elastictrain.agent.control import ControlRequest, pause_key
+    # Not at the top: metrics loads prometheus_client, which judging records (the chaos target) does not need.
     from elastictrain.agent.metrics import latest_checkpoint
 
     client, prefix = target.client, target.prefix
