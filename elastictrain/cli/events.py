@@ -15,10 +15,10 @@ import time
 from datetime import datetime
 from typing import Any, Optional
 
+from elastictrain.agent.jobstate import event_dict
 from elastictrain.agent.status import read_events
 from elastictrain.cli import target as tgt
 from elastictrain.cli.ckpt import human_bytes
-from elastictrain.cli.jobview import event_dict
 from elastictrain.cli.status import format_event
 from elastictrain.errors import ConfigError
 
