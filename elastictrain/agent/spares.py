@@ -125,6 +125,7 @@ class WarmPool:
                         numa_options: Any = None, duplicate_stdout_filters: Optional[list[str]] = None,
                         duplicate_stderr_filters: Optional[list[str]] = None) -> Any:
         """torch's ``start_processes`` for a binary entrypoint, served from the pool (cold when it is empty)."""
+        # Imported here: warm.py imports torch, and this module is imported before torch (see its docstring).
         from elastictrain.agent.warm import WarmContext
 
         ctx = WarmContext(self, name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,

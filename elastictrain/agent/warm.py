@@ -1,25 +1,34 @@
 """The torch side of pre-warmed spare workers: a process context that hands torch's workers to spares.
 
-See `elastictrain.agent.spares` for the pool and `elastictrain.runtime.warmstart` for the spare itself.
+See `elastictrain.agent.spares` for the pool and `elastictrain.runtime.warmstart` for the spare itself. The pool
+builds this context, so this module knows the pool only as `SpareSource`, the one method it calls: the two
+modules do not import each other.
 """
 
 from __future__ import annotations
 
 import signal
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
-from elastictrain.agent.spares import WarmPool
 from elastictrain.runtime.exitcodes import EXIT_REFORM
 
 FAILED_GROUP_STOP_GRACE_S = 1.0
 """How long the survivors of a crashed worker get between SIGTERM and SIGKILL."""
 
 
+class SpareSource(Protocol):
+    """Where WarmContext gets its workers (`elastictrain.agent.spares.WarmPool`)."""
+
+    def serve(self, local_rank: int, args: tuple, env: dict[str, str], stdout: Optional[str],
+              stderr: Optional[str]) -> Optional[Any]:
+        """Start one worker from a spare: a stand-in for torch's SubprocessHandler, or None to start it cold."""
+
+
 class WarmContext(SubprocessContext):
-    """torch's SubprocessContext whose processes come from a WarmPool where it can.
+    """torch's SubprocessContext whose processes come from a pool of spares where it can.
 
     It also stops the rest of a failed group fast. torch closes the group with SIGTERM and waits up to 30 s;
     after a peer crashed there is nothing left for a survivor to do (a collective save cannot finish, the next
@@ -28,7 +37,7 @@ class WarmContext(SubprocessContext):
     the full timeout: the last of them may still be committing the drain's checkpoint.
     """
 
-    def __init__(self, pool: WarmPool, **kwargs: Any):
+    def __init__(self, pool: SpareSource, **kwargs: Any):
         super().__init__(**kwargs)
         self._pool = pool
 
