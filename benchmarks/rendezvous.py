@@ -120,10 +120,10 @@ def latency_once(endpoint: str, n: int) -> dict[str, float]:
     """N threads rendezvous at once; return the time until the last has its rank, and the median."""
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-    from elastictrain.rendezvous.etcd_handler import create_handler
+    from elastictrain.rendezvous.etcd_handler import create_etcd_handler
 
     run_id = f"lat-{uuid.uuid4().hex[:8]}"
-    handlers = [create_handler(RendezvousParameters("etcd3", endpoint, run_id, n, n)) for _ in range(n)]
+    handlers = [create_etcd_handler(RendezvousParameters("etcd3", endpoint, run_id, n, n)) for _ in range(n)]
     durations: list[float] = [0.0] * n
     ranks: list[int] = [-1] * n
     gate = threading.Barrier(n)

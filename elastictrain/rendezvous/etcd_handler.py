@@ -1,6 +1,6 @@
 """EtcdRendezvousHandler: torch's DynamicRendezvousHandler on etcd v3, plus lease liveness.
 
-Registered through the `torchrun.handlers` entry point, so `torchrun --rdzv-backend etcd3
+Registered through the `torchrun.handlers` entry point (`entry_point.py`), so `torchrun --rdzv-backend etcd3
 --rdzv-endpoint HOST:2379 --rdzv-id JOB ...` uses it once elastictrain is installed.
 
 What differs from torch's c10d rendezvous, and why:
@@ -164,7 +164,7 @@ def _timeout(params: RendezvousParameters, key: str) -> timedelta:
     return timedelta(seconds=conf_seconds(params.config, key))
 
 
-def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+def create_etcd_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Create the `etcd3` handler from torchrun's rendezvous parameters (`--rdzv-*`)."""
     settings = EtcdSettings.from_conf(params.endpoint, params.run_id, params.config)
     # Without this, torch's handler would host a TCPStore in the rank-0 agent and hand it to the

@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastictrain.rendezvous.embedded import EmbeddedEtcd, free_port
-from elastictrain.rendezvous.etcd_handler import create_handler
+from elastictrain.rendezvous.etcd_handler import create_etcd_handler
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def cluster() -> Iterator[list[EmbeddedEtcd]]:
 def test_agents_fail_over_when_their_etcd_member_dies(cluster: list[EmbeddedEtcd], run_id: str) -> None:
     endpoints = ",".join(m.endpoint for m in cluster)
     params = RendezvousParameters("etcd3", endpoints, run_id, 2, 2, lease_ttl=2, last_call_timeout=1)
-    handlers = [create_handler(params) for _ in range(2)]
+    handlers = [create_etcd_handler(params) for _ in range(2)]
     infos: list = [None, None]
 
     def join_all() -> None:

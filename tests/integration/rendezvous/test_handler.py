@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastictrain.errors import RendezvousError
 from elastictrain.rendezvous.embedded import EmbeddedEtcd, free_port
-from elastictrain.rendezvous.etcd_handler import EtcdRendezvousHandler, create_handler
+from elastictrain.rendezvous.etcd_handler import EtcdRendezvousHandler, create_etcd_handler
 from tests.fixtures.etcd import EtcdHandle
 
 
@@ -51,7 +51,7 @@ def _kill_without_goodbye(handler: EtcdRendezvousHandler) -> None:
 
 
 def test_three_agents_form_one_group_and_share_bootstrap_info(etcd: EtcdHandle, run_id: str) -> None:
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 3, 3)) for _ in range(3)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 3, 3)) for _ in range(3)]
     infos = _rendezvous_all(handlers)
     assert sorted(i.rank for i in infos) == [0, 1, 2]
     assert {i.world_size for i in infos} == {3}
@@ -68,7 +68,7 @@ def test_three_agents_form_one_group_and_share_bootstrap_info(etcd: EtcdHandle, 
 
 
 def test_survivors_see_a_lost_node_and_form_a_smaller_round(etcd: EtcdHandle, run_id: str) -> None:
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3)) for _ in range(3)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3)) for _ in range(3)]
     infos = _rendezvous_all(handlers)
     first = next(h for h, i in zip(handlers, infos, strict=True) if i.rank == 0)
     survivors = [h for h in handlers if h is not first]
@@ -98,7 +98,7 @@ def _lose_rank0(handlers: list[EtcdRendezvousHandler]) -> list[EtcdRendezvousHan
 
 def test_survivors_reform_without_waiting_out_the_last_call_for_a_dead_node(etcd: EtcdHandle, run_id: str) -> None:
     # A 30 s last call (torch's default): torch would idle survivors that long after every node loss.
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
     survivors = _lose_rank0(handlers)
     start = time.monotonic()
     infos = _rendezvous_all(survivors)
@@ -111,7 +111,7 @@ def test_survivors_reform_without_waiting_out_the_last_call_for_a_dead_node(etcd
 
 def test_the_rejoin_wait_lets_a_lost_node_that_comes_back_into_the_same_round(etcd: EtcdHandle, run_id: str) -> None:
     conf = {"last_call_timeout": 60, "rejoin_wait": 20}
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, **conf)) for _ in range(3)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, **conf)) for _ in range(3)]
     survivors = _lose_rank0(handlers)
     results: list = []
     thread = threading.Thread(target=lambda: results.append(_rendezvous_all(survivors)), daemon=True)
@@ -120,7 +120,7 @@ def test_the_rejoin_wait_lets_a_lost_node_that_comes_back_into_the_same_round(et
         assert thread.is_alive()
         time.sleep(0.1)
     time.sleep(1.0)
-    returned = create_handler(_params(etcd.endpoint, run_id, 1, 3, **conf))  # the node, started again
+    returned = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, **conf))  # the node, started again
     joined: list = []
     joiner = threading.Thread(target=lambda: joined.append(returned.next_rendezvous()), daemon=True)
     joiner.start()
@@ -134,7 +134,7 @@ def test_the_rejoin_wait_lets_a_lost_node_that_comes_back_into_the_same_round(et
 
 def test_a_live_node_slow_to_rejoin_is_waited_for(etcd: EtcdHandle, run_id: str) -> None:
     # A worker failure: every agent is alive and re-joins, one of them late; nobody is left behind.
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, last_call_timeout=30)) for _ in range(3)]
     _rendezvous_all(handlers)
     results: list = []
     thread = threading.Thread(target=lambda: results.append(_rendezvous_all(handlers[:2])))
@@ -148,9 +148,9 @@ def test_a_live_node_slow_to_rejoin_is_waited_for(etcd: EtcdHandle, run_id: str)
 
 
 def test_a_node_that_comes_back_is_waiting_and_joins_a_bigger_round(etcd: EtcdHandle, run_id: str) -> None:
-    handlers = [create_handler(_params(etcd.endpoint, run_id, 1, 3)) for _ in range(2)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3)) for _ in range(2)]
     _rendezvous_all(handlers)
-    newcomer = create_handler(_params(etcd.endpoint, run_id, 1, 3))
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3))
     joined: list = []
     thread = threading.Thread(target=lambda: joined.append(newcomer.next_rendezvous()))
     thread.start()
@@ -166,7 +166,7 @@ def test_a_node_that_comes_back_is_waiting_and_joins_a_bigger_round(etcd: EtcdHa
 
 
 def test_etcd_outage_of_a_few_seconds_is_ridden_out(etcd_private: EtcdHandle, run_id: str) -> None:
-    handlers = [create_handler(_params(etcd_private.endpoint, run_id, 2, 2)) for _ in range(2)]
+    handlers = [create_etcd_handler(_params(etcd_private.endpoint, run_id, 2, 2)) for _ in range(2)]
     _rendezvous_all(handlers)
     etcd_private.stop()
     deadline = time.monotonic() + 4
@@ -189,11 +189,11 @@ def test_etcd_outage_of_a_few_seconds_is_ridden_out(etcd_private: EtcdHandle, ru
 
 
 def test_a_finished_run_id_can_be_reused(etcd: EtcdHandle, run_id: str) -> None:
-    handler = create_handler(_params(etcd.endpoint, run_id, 1, 1))
+    handler = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 1))
     handler.next_rendezvous()
     handler.set_closed()
     handler.shutdown()
-    again = create_handler(_params(etcd.endpoint, run_id, 1, 1))
+    again = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 1))
     assert again.next_rendezvous().world_size == 1
     again.shutdown()
 
@@ -202,7 +202,7 @@ def test_wrong_endpoint_fails_within_seconds_naming_it(run_id: str) -> None:
     port = free_port("127.0.0.1")
     start = time.monotonic()
     with pytest.raises(RendezvousError, match=f"127.0.0.1:{port}"):
-        create_handler(_params(f"127.0.0.1:{port}", run_id, connect_timeout=2))
+        create_etcd_handler(_params(f"127.0.0.1:{port}", run_id, connect_timeout=2))
     assert time.monotonic() - start < 5
 
 
@@ -213,7 +213,7 @@ def test_failover_to_a_live_endpoint_of_the_list(make_client, etcd: EtcdHandle, 
         client = make_client(f"{dead},{etcd.endpoint}", run_id)
         client.put(f"/elastictrain/{run_id}/k{i}", b"v")
         assert client.get(f"/elastictrain/{run_id}/k{i}")[0] == b"v"
-    handler = create_handler(_params(f"{dead},{etcd.endpoint}", run_id, 1, 1))
+    handler = create_etcd_handler(_params(f"{dead},{etcd.endpoint}", run_id, 1, 1))
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()
 
@@ -226,15 +226,15 @@ def _etcdctl(endpoint: str, *args: str) -> None:
 def test_user_password_auth_works_and_wrong_credentials_fail_fast(etcd_private: EtcdHandle, run_id: str) -> None:
     _etcdctl(etcd_private.endpoint, "user", "add", "root:rootpw")
     _etcdctl(etcd_private.endpoint, "auth", "enable")
-    handler = create_handler(_params(etcd_private.endpoint, run_id, 1, 1, user="root", password="rootpw"))
+    handler = create_etcd_handler(_params(etcd_private.endpoint, run_id, 1, 1, user="root", password="rootpw"))
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()
 
     start = time.monotonic()
     with pytest.raises(RendezvousError, match=f"{etcd_private.endpoint}.*(authentication|user)"):
-        create_handler(_params(etcd_private.endpoint, run_id, user="root", password="wrong"))
+        create_etcd_handler(_params(etcd_private.endpoint, run_id, user="root", password="wrong"))
     with pytest.raises(RendezvousError, match=f"{etcd_private.endpoint}.*(authentication|user name)"):
-        create_handler(_params(etcd_private.endpoint, run_id))
+        create_etcd_handler(_params(etcd_private.endpoint, run_id))
     assert time.monotonic() - start < 5
 
 
@@ -260,14 +260,14 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_tls_with_client_certificates_works_and_mismatches_fail_fast(tls_files: dict[str, str], run_id: str) -> None:
     with EmbeddedEtcd(tls_cert=tls_files["server.pem"], tls_key=tls_files["server.key"], tls_ca=tls_files["ca.pem"]) as srv:
         tls = {"cacert": tls_files["ca.pem"], "cert": tls_files["client.pem"], "key": tls_files["client.key"]}
-        handler = create_handler(_params(f"https://{srv.endpoint}", run_id, 1, 1, **tls))
+        handler = create_etcd_handler(_params(f"https://{srv.endpoint}", run_id, 1, 1, **tls))
         assert handler.next_rendezvous().world_size == 1
         handler.shutdown()
 
         start = time.monotonic()
         with pytest.raises(RendezvousError, match=f"{srv.endpoint}.*TLS"):
-            create_handler(_params(srv.endpoint, run_id, connect_timeout=2))  # plain client, TLS server
+            create_etcd_handler(_params(srv.endpoint, run_id, connect_timeout=2))  # plain client, TLS server
         wrong_ca = {**tls, "cacert": tls_files["other-ca.pem"]}
         with pytest.raises(RendezvousError, match=f"{srv.endpoint}.*TLS"):
-            create_handler(_params(f"https://{srv.endpoint}", run_id, connect_timeout=2, **wrong_ca))
+            create_etcd_handler(_params(f"https://{srv.endpoint}", run_id, connect_timeout=2, **wrong_ca))
         assert time.monotonic() - start < 10

@@ -1,8 +1,8 @@
-"""Entry point of the `etcd3` torchrun rendezvous handler (implementation: `etcd_handler.py`).
+"""torchrun's `etcd3` rendezvous backend: the `torchrun.handlers` entry point (the handler: `etcd_handler.py`).
 
 torch's registry (`_register_out_of_tree_handlers`) loads the `torchrun.handlers` entry point and
 *calls it with no argument* to get the creator, then calls the creator with the parameters. So
-`create_handler()` returns itself and `create_handler(params)` creates a handler: the one name in
+`etcd3_entry_point()` returns itself and `etcd3_entry_point(params)` creates a handler: the one name in
 pyproject.toml serves both calls.
 
 This module imports nothing from torch at import time: torch loads the entry points while
@@ -24,13 +24,13 @@ Creator = Callable[["RendezvousParameters"], "EtcdRendezvousHandler"]
 
 
 @overload
-def create_handler(params: None = None) -> Creator: ...
+def etcd3_entry_point(params: None = None) -> Creator: ...
 @overload
-def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler: ...
-def create_handler(params: RendezvousParameters | None = None) -> EtcdRendezvousHandler | Creator:
+def etcd3_entry_point(params: RendezvousParameters) -> EtcdRendezvousHandler: ...
+def etcd3_entry_point(params: RendezvousParameters | None = None) -> EtcdRendezvousHandler | Creator:
     """Create the `etcd3` rendezvous handler from torchrun's `--rdzv-*` parameters (no argument: the creator)."""
     if params is None:
-        return create_handler
-    from elastictrain.rendezvous.etcd_handler import create_handler as _create
+        return etcd3_entry_point
+    from elastictrain.rendezvous.etcd_handler import create_etcd_handler
 
-    return _create(params)
+    return create_etcd_handler(params)
