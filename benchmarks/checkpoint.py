@@ -181,7 +181,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
         # they ready no staging buffers (which would fault pages in during the next measurement)
         load_s, load_noverify_s = [], []
         load_cfg = dataclasses.replace(cfg, async_save=False)
-        for rep in range(args["reps"]):
+        for _ in range(args["reps"]):
             for verify, acc in ((True, load_s), (False, load_noverify_s)):
                 m = CheckpointManager(load_cfg, fingerprint={"bench": "1"}, rank=rank, world_size=world,
                                       verify_on_load=verify)
@@ -293,7 +293,8 @@ def main() -> None:
             "sync_save_MBps": round(total_bytes / sync_s / 1e6, 1),
             "async_save_MBps": round(total_bytes / total_s / 1e6, 1),
             "ceiling_MBps": round(total_bytes / ceil_s / 1e6, 1),
-            "ceiling_MBps_range": [round(total_bytes / max(ceil_i) / 1e6, 1), round(total_bytes / min(ceil_i) / 1e6, 1)],
+            "ceiling_MBps_range": [round(total_bytes / max(ceil_i) / 1e6, 1),
+                                   round(total_bytes / min(ceil_i) / 1e6, 1)],
             # ratio per repetition (ceiling and save measured back to back), then the median
             "sync_save_vs_ceiling": round(statistics.median(c / x for c, x in zip(ceil_i, sync_i)), 3),
             "async_save_vs_ceiling": round(statistics.median(c / x for c, x in zip(ceil_i, total_i)), 3),

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastictrain.rendezvous.embedded import EmbeddedEtcd, free_port, find_etcd_binary  # noqa: E402
+from elastictrain.rendezvous.embedded import EmbeddedEtcd, find_etcd_binary, free_port  # noqa: E402
 from tests.integration.rendezvous.launch import Agent, etcd3_args, start_agent, wait_for  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "rendezvous.json"
@@ -151,7 +151,8 @@ def main() -> None:
     parser.add_argument("--latency-n", default="2,4,8,16,32")
     args = parser.parse_args()
 
-    etcd_version = subprocess.run([find_etcd_binary(), "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    etcd_version = subprocess.run([find_etcd_binary(), "--version"], capture_output=True,
+                                  text=True).stdout.split("\n")[0]
     result: dict[str, object] = {
         "meta": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -160,7 +161,8 @@ def main() -> None:
             "python": platform.python_version(),
             "cpus": psutil.cpu_count(),
             "workload": "3 torchrun agents x 1 gloo worker on localhost, all_reduce step every 0.1 s",
-            "metric": "seconds from SIGKILL of one node (agent + worker) to the survivors' first step in the 2-node group",
+            "metric": ("seconds from SIGKILL of one node (agent + worker) to the survivors' first step in the "
+                       "2-node group"),
             "c10d_confs": C10D_CONFS,
             "etcd3_confs": ETCD3_CONFS,
         }

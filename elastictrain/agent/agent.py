@@ -21,22 +21,32 @@ from dataclasses import asdict, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import psutil
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server import local_elastic_agent
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from elastictrain.agent.budget import (
-    CrashLoopError, FatalWorkerError, NoProgressError, RestartBudget, RestartBudgetExhausted, fatal_message,
+    CrashLoopError,
+    FatalWorkerError,
+    NoProgressError,
+    RestartBudget,
+    RestartBudgetExhausted,
+    fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
 from elastictrain.agent.spares import WarmPool
 from elastictrain.errors import AgentError
 from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_REFORM
 from elastictrain.runtime.heartbeat import (
-    ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, MAX_DATAGRAM_BYTES, Beat, WorkerEvent, decode,
+    ENV_AGENT_PID,
+    ENV_HEARTBEAT_ADDR,
+    MAX_DATAGRAM_BYTES,
+    Beat,
+    WorkerEvent,
+    decode,
 )
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPolicy
-from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
-from elastictrain.agent.launch import get_args_parser, launch, parse_args
 from elastictrain.agent.control import ControlRelay
+from elastictrain.agent.launch import get_args_parser, launch, parse_args
+from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
 from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import AgentError, ConfigError

@@ -21,7 +21,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
-from torch.distributed.run import config_from_args, get_args_parser as torchrun_args_parser
+from torch.distributed.run import config_from_args
+from torch.distributed.run import get_args_parser as torchrun_args_parser
 
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget

@@ -121,7 +121,8 @@ class WarmPool:
         return None
 
     def start_processes(self, *, name: str, entrypoint: Any, args: dict[int, tuple], envs: dict[int, dict[str, str]],
-                        logs_specs: Any, log_line_prefixes: Optional[dict[int, str]] = None, start_method: str = "spawn",
+                        logs_specs: Any, log_line_prefixes: Optional[dict[int, str]] = None,
+                        start_method: str = "spawn",
                         numa_options: Any = None, duplicate_stdout_filters: Optional[list[str]] = None,
                         duplicate_stderr_filters: Optional[list[str]] = None) -> Any:
         """torch's ``start_processes`` for a binary entrypoint, served from the pool (cold when it is empty)."""

@@ -50,10 +50,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from elastictrain.checkpoint import compat
 from elastictrain.checkpoint.commit import CommittingWriter

@@ -139,7 +139,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shell command that starts the job's etcd again with its data (needed by restart-etcd)")
     f.add_argument("--etcd-pid", type=int, default=None,
                    help="etcd's pid (default: the process listening on the endpoint's port here)")
-    f.add_argument("--s3-server-pid", type=int, default=None, help="the S3 server's pid for storage-down/-stall (default: the process listening on the "
+    f.add_argument("--s3-server-pid", type=int, default=None,
+                   help="the S3 server's pid for storage-down/-stall (default: the process listening on the "
                         "checkpoint URL's endpoint here)")
     f.add_argument("--relaunch-log", default=None, metavar="FILE",
                    help="where re-launched agents write (default: the file the killed agent's output went to)")

@@ -35,11 +35,15 @@ from elastictrain.runtime.audit import SampleLedger
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 from elastictrain.runtime.data import build_source
+from elastictrain.runtime.determinism import (
+    capture_rng_state,
+    configure_determinism,
+    derive_seed,
+    restore_rng_state,
+    seed_everything,
+)
 from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
 from elastictrain.runtime.heartbeat import Heartbeat
-from elastictrain.runtime.determinism import (
-    capture_rng_state, configure_determinism, derive_seed, restore_rng_state, seed_everything,
-)
 from elastictrain.runtime.session import Session
 from elastictrain.runtime.train_state import CallbackState, ModelState, OptimizerState, rng_key
 
@@ -358,10 +362,10 @@ def prewarm(argv: list[str]) -> None:
     """Import what `main(argv)` will need, for a pre-warmed spare worker (runtime/warmstart.py)."""
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    import elastictrain.recipes.checkpointing  # noqa: F401
     from fsspec import get_filesystem_class
     from fsspec.core import split_protocol
 
+    import elastictrain.recipes.checkpointing  # noqa: F401
     from elastictrain.recipes.model import preload
 
     preload(cfg.model)

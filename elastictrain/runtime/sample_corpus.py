@@ -36,7 +36,8 @@ def generate(n_sentences: int = 6000, seed: int = 7) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "data" / "sample_corpus.txt"
+    default = Path(__file__).resolve().parent.parent / "data" / "sample_corpus.txt"
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     out.write_text(generate())
 
 

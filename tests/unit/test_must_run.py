@@ -121,7 +121,7 @@ def test_ci_sets_the_switch_before_running_readmes_test_command_verbatim():
     readme = (REPO / "README.md").read_text()
     command = re.search(r"\*\*Install and pass the tests\*\*.*?```bash\n(.+?)\n```", readme, re.S).group(1)
     ci = (REPO / ".ci/run").read_text()
-    assert ci.rstrip().endswith(command), ".ci/run must run README's test command exactly as written"
+    assert f"\n{command}\n" in ci, ".ci/run must run README's test command exactly as written, on a line of its own"
     assert f"\nexport {REQUIRE_ENV}=1\n" in ci.split(command)[0]
 
 

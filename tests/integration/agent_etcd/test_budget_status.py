@@ -5,7 +5,12 @@ import time
 import pytest
 
 from elastictrain.agent.budget import (
-    CrashLoopError, FatalWorkerError, NoProgressError, RestartBudget, RestartBudgetExhausted, RestartPolicy,
+    CrashLoopError,
+    FatalWorkerError,
+    NoProgressError,
+    RestartBudget,
+    RestartBudgetExhausted,
+    RestartPolicy,
 )
 from elastictrain.agent.status import EtcdStatusPublisher, read_events, read_nodes
 from elastictrain.rendezvous.client import EtcdClient

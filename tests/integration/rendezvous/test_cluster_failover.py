@@ -36,7 +36,8 @@ def test_agents_fail_over_when_their_etcd_member_dies(cluster: list[EmbeddedEtcd
     infos: list = [None, None]
 
     def join_all() -> None:
-        threads = [threading.Thread(target=lambda i=i: infos.__setitem__(i, handlers[i].next_rendezvous())) for i in range(2)]
+        threads = [threading.Thread(target=lambda i=i: infos.__setitem__(i, handlers[i].next_rendezvous()))
+                   for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:

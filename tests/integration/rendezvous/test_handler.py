@@ -251,14 +251,16 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
            "-keyout", f"{ca}.key", "-out", f"{ca}.pem")  # fmt: skip
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
     for name in ("server", "client"):
-        sh("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        sh("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+           "-out", f"{name}.csr")
         sh("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
            "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem")  # fmt: skip
     return {k: str(d / k) for k in ("ca.pem", "other-ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 def test_tls_with_client_certificates_works_and_mismatches_fail_fast(tls_files: dict[str, str], run_id: str) -> None:
-    with EmbeddedEtcd(tls_cert=tls_files["server.pem"], tls_key=tls_files["server.key"], tls_ca=tls_files["ca.pem"]) as srv:
+    with EmbeddedEtcd(tls_cert=tls_files["server.pem"], tls_key=tls_files["server.key"],
+                      tls_ca=tls_files["ca.pem"]) as srv:
         tls = {"cacert": tls_files["ca.pem"], "cert": tls_files["client.pem"], "key": tls_files["client.key"]}
         handler = create_etcd_handler(_params(f"https://{srv.endpoint}", run_id, 1, 1, **tls))
         assert handler.next_rendezvous().world_size == 1

@@ -48,7 +48,8 @@ def test_two_agents_with_two_workers_each_form_one_group(etcd: EtcdHandle, run_i
     assert max(s.step for s in steps) == 15
 
 
-def test_job_survives_sigkill_of_the_first_agent_scales_back_up_and_drops_a_lone_agent(etcd: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
+def test_job_survives_sigkill_of_the_first_agent_scales_back_up_and_drops_a_lone_agent(
+        etcd: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
     args = etcd3_args(etcd.endpoint, run_id)
     agents += [start_agent(t, tmp_path, args, nnodes="1:3") for t in ("a", "b", "c")]
     wait_for(tmp_path, lambda s: sum(x.world == 3 for x in s) >= 9, 90, agents)
@@ -86,7 +87,8 @@ def test_job_survives_sigkill_of_the_first_agent_scales_back_up_and_drops_a_lone
     lonely.stop()
 
 
-def test_etcd_outage_of_a_few_seconds_does_not_restart_training(etcd_private: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
+def test_etcd_outage_of_a_few_seconds_does_not_restart_training(
+        etcd_private: EtcdHandle, run_id: str, tmp_path: Path, agents) -> None:
     # The default lease (5 s), as users run it: the tests' 2 s lease can lapse on a loaded machine while the
     # keep-alive reconnects after the outage, and that drop is a different (documented) trade-off.
     args = etcd3_args(etcd_private.endpoint, run_id, lease_ttl=5)

@@ -1,4 +1,4 @@
-"""Worker heartbeats and events (elastictrain/runtime/heartbeat.py) into the agent's socket (agent._HeartbeatChannel)."""
+"""Worker heartbeats and events (runtime/heartbeat.py) into the agent's socket (agent._HeartbeatChannel)."""
 
 import logging
 import os
@@ -12,7 +12,13 @@ import pytest
 
 from elastictrain.agent.agent import ElasticAgent, _HeartbeatChannel
 from elastictrain.runtime.heartbeat import (
-    ENV_AGENT_PID, ENV_HEARTBEAT_ADDR, MAX_EVENT_BYTES, Beat, Heartbeat, WorkerEvent, decode,
+    ENV_AGENT_PID,
+    ENV_HEARTBEAT_ADDR,
+    MAX_EVENT_BYTES,
+    Beat,
+    Heartbeat,
+    WorkerEvent,
+    decode,
 )
 
 

@@ -1,7 +1,7 @@
 """Job state and health from hand-made NodeStatus records (elastictrain/agent/jobstate.py)."""
 
-from elastictrain.agent.status import NodeStatus, WorkerStatus
 from elastictrain.agent.jobstate import derive
+from elastictrain.agent.status import NodeStatus, WorkerStatus
 
 NOW = 1_000_000.0
 

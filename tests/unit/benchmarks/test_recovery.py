@@ -15,7 +15,8 @@ from elastictrain.checkpoint.manifest import MARKER_NAME, step_dir_name
 
 
 class _FakeTraining:
-    """Two ranks writing the ledger a step every `step_s`, checkpoints every 10 steps committed `commit_lag` steps late."""
+    """Two ranks writing the ledger a step every `step_s`; checkpoints every 10 steps, committed `commit_lag` steps
+    late."""
 
     def __init__(self, out: Path, step_s: float = 0.01, commit_lag: int = 2):
         self.out, self.step_s, self.commit_lag = out, step_s, commit_lag

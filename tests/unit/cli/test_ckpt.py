@@ -75,7 +75,8 @@ def test_ls_json_reports_torn_and_truncated_from_the_listing_without_reading_dat
     assert [c["step"] for c in doc["checkpoints"]] == [3, 2, 1]
     assert by_step[3]["status"] == "torn" and by_step[3]["world_size"] is None
     assert by_step[2]["status"] == "corrupt" and "truncated" in by_step[2]["reason"]
-    assert by_step[1]["status"] == "valid" and by_step[1]["world_size"] == 1 and by_step[1]["files"] == len(list((root / "step-00000001").iterdir()))
+    files = len(list((root / "step-00000001").iterdir()))
+    assert by_step[1]["status"] == "valid" and by_step[1]["world_size"] == 1 and by_step[1]["files"] == files
     assert by_step[1]["bytes"] == sum(p.stat().st_size for p in (root / "step-00000001").iterdir())
     assert by_step[1]["written_at"].endswith("+00:00") and by_step[1]["age_s"] >= 0
 
