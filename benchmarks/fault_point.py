@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 
 import psutil
 
-from elastictrain.chaos.faults import worker_pids
+from elastictrain.chaos.process_signals import worker_pids
 from elastictrain.checkpoint.manifest import MARKER_NAME, parse_step_dir
 
 
@@ -65,14 +65,14 @@ def at_offset(progress: Progress, ckpt_dir: Path, offset: int, alive: Callable[[
 
 
 def arm_worker_signal(launcher_pid: int, sig: signal.Signals) -> Callable[[], None]:
-    """Sending `sig` to the launcher's lowest-rank worker (as `chaos.faults.signal_worker`), looked up now."""
+    """Sending `sig` to the launcher's lowest-rank worker (as `chaos.process_signals.signal_worker`), looked up now."""
     pids = worker_pids(launcher_pid)
     assert pids, f"launcher {launcher_pid} has no live workers"
     return lambda: os.kill(pids[min(pids)], sig)
 
 
 def arm_node_kill(launcher_pid: int) -> Callable[[], None]:
-    """SIGKILL of the launcher's process group and every process below it (as `chaos.faults.kill_node`: workers
+    """SIGKILL of the launcher's process group and every process below it (as `chaos.process_signals.kill_node`: workers
     and spares lead sessions of their own), looked up now. The launcher must lead its process group."""
     workers = list(worker_pids(launcher_pid).values())
     assert workers, f"launcher {launcher_pid} has no live workers"

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _trained, recovery_stats  # noqa: E402
-from elastictrain.chaos.faults import signal_worker  # noqa: E402
+from elastictrain.chaos.process_signals import signal_worker  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
 from elastictrain.runtime.audit import committed_timeline  # noqa: E402
 from elastictrain.runtime.warmstart import idle_spares  # noqa: E402

@@ -1,12 +1,12 @@
-"""Fault injectors any chaos target can call; each returns ``(detail, heal)``.
+"""The injectors of scheduled faults, which any chaos target can call; each returns ``(detail, heal)``.
 
 ``detail`` says what was done ("SIGKILL pid 1234 (rank 1)"); ``heal`` undoes the fault (continue a stopped worker,
 start a killed node again, unmount a read-only bind mount) or is None when there is nothing to undo. A heal may
 return a line that says what it did ("re-launched pid 5678, log ..."); the runner records it as ``heal_detail``.
 
-Processes are found and signalled by pid (:mod:`elastictrain.chaos.faults`). A killed or drained node, or a killed
-server, is started again with the command line, working directory and environment captured with psutil *before*
-the fault (:class:`ProcessSpec`), in a session of its own, its output appended to the file its stdout went to.
+Processes are found and signalled by pid (:mod:`elastictrain.chaos.process_signals`). A killed or drained node,
+or a killed server, is started again with the command line, working directory and environment captured with psutil
+*before* the fault (:class:`ProcessSpec`), in a session of its own, its output appended to the file its stdout went to.
 Storage faults on a directory mount over it (we run as root, so permissions would not stop a write): a
 read-only bind mount (writes fail with EROFS) or an overlay whose upper layer is a full tmpfs (existing
 checkpoints stay readable, writes fail with ENOSPC); the heal unmounts, leaving the directory as it was.
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from elastictrain.chaos import faults
+from elastictrain.chaos import process_signals
 from elastictrain.chaos.runner import UnsupportedFault
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.manifest import DCP_METADATA_NAME
@@ -187,7 +187,7 @@ def choose_worker(agent_pid: int, rank: Optional[int], rng: Optional[random.Rand
                   wait_s: float = 30.0) -> tuple[int, int]:
     """(rank, pid) of a training worker below `agent_pid`: `rank`, else a seeded choice; waits for workers."""
     deadline = time.monotonic() + wait_s
-    while not (pids := faults.worker_pids(agent_pid)):
+    while not (pids := process_signals.worker_pids(agent_pid)):
         if is_gone(agent_pid):
             raise UnsupportedFault(f"agent pid {agent_pid} is gone; it has no workers to hit")
         if time.monotonic() >= deadline:
@@ -219,7 +219,7 @@ def kill_node(agent_pid: int, *, log_path: Optional[str] = None, relaunch: bool 
               should_relaunch: Optional[Callable[[], bool]] = None) -> Result:
     """SIGKILL an agent and every process below it; heal: start the agent's command again (it re-joins)."""
     spec = ProcessSpec.capture(agent_pid, log_path) if relaunch else None
-    killed = faults.kill_node(agent_pid)
+    killed = process_signals.kill_node(agent_pid)
     detail = f"SIGKILL agent pid {agent_pid} and {len(killed) - 1} process(es) below it"
     if spec is None:
         return detail, None
@@ -230,7 +230,7 @@ def drain_node(agent_pid: int, *, log_path: Optional[str] = None, relaunch: bool
                exit_timeout: float = 120.0, should_relaunch: Optional[Callable[[], bool]] = None) -> Result:
     """SIGTERM an agent (a graceful drain: its workers save and it leaves); heal: start it again once it exited."""
     spec = ProcessSpec.capture(agent_pid, log_path) if relaunch else None
-    faults.drain_node(agent_pid)
+    process_signals.drain_node(agent_pid)
     detail = f"SIGTERM agent pid {agent_pid} (drain)"
     if spec is None:
         return detail, None

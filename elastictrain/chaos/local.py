@@ -32,7 +32,7 @@ from elastictrain.agent.jobstate import DEFAULT_STALE_AFTER_S, JobView, derive
 from elastictrain.agent.status import JobRecord, NodeStatus, read_job, read_nodes
 from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
-from elastictrain.chaos.schedule import Fault
+from elastictrain.chaos.schedule import ScheduledFault
 from elastictrain.checkpoint.storage import endpoint_of, resolve_options
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
@@ -144,7 +144,7 @@ class LocalTarget:
 
     # ------------------------------------------------------------------ injecting
 
-    def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
+    def inject(self, fault: ScheduledFault, node: Optional[str], rng: random.Random) -> Injected:
         """Inject one fault (see the module docstring for what each kind needs)."""
         kind = fault.kind
         if kind == "partition":

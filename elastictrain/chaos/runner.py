@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from elastictrain.chaos.schedule import NODE_KINDS, Fault, Schedule
+from elastictrain.chaos.schedule import NODE_KINDS, Schedule, ScheduledFault
 from elastictrain.errors import ElastictrainError
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class UnsupportedFault(ElastictrainError):
 class Injected:
     """A fault that was injected: where it hit, what was done, and how to undo it."""
 
-    fault: Fault
+    fault: ScheduledFault
     node: Optional[str]
     detail: str
     heal: Optional[Callable[[], Optional[str]]]
@@ -63,7 +63,7 @@ class ChaosTarget(Protocol):
         """Whether the job ended (the runner stops firing)."""
         ...
 
-    def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
+    def inject(self, fault: ScheduledFault, node: Optional[str], rng: random.Random) -> Injected:
         """Inject `fault` into `node` (None for faults that hit no node); raise UnsupportedFault to skip it."""
         ...
 
@@ -148,7 +148,7 @@ class ChaosRunner:
             return "the job finished first"
         return None
 
-    def _record(self, fault: Fault) -> dict[str, Any]:
+    def _record(self, fault: ScheduledFault) -> dict[str, Any]:
         return {"fault": fault.describe(), "kind": fault.kind, "node": None, "detail": "", "fired_at_s": None,
                 "fired_step": None, "healed_at_s": None, "skipped": None}
 
@@ -158,7 +158,7 @@ class ChaosRunner:
         else:
             run.stop.wait(self.poll_s)
 
-    def _wait_until_due(self, run: _Run, fault: Fault) -> Optional[str]:
+    def _wait_until_due(self, run: _Run, fault: ScheduledFault) -> Optional[str]:
         """Wait until `fault` may fire (healing what comes due meanwhile); returns why it never will, or None."""
         while True:
             self._heal_due(run)
@@ -171,7 +171,7 @@ class ChaosRunner:
                 return None
             self._wait(run)
 
-    def _condition(self, fault: Fault, t: float) -> bool:
+    def _condition(self, fault: ScheduledFault, t: float) -> bool:
         if fault.at_time is not None:
             return t >= fault.at_time
         if fault.at_step is not None:
@@ -179,7 +179,7 @@ class ChaosRunner:
             return step is not None and step >= fault.at_step
         return True
 
-    def _choose_node(self, run: _Run, fault: Fault) -> tuple[Optional[str], Optional[str]]:
+    def _choose_node(self, run: _Run, fault: ScheduledFault) -> tuple[Optional[str], Optional[str]]:
         """The node a node fault hits: its named target, else a seeded choice among live nodes (waits for one)."""
         if fault.target is not None:
             return fault.target, None
@@ -194,7 +194,7 @@ class ChaosRunner:
                 return None, f"no live node to hit ({reason})"
             self._wait(run)
 
-    def _fire(self, run: _Run, fault: Fault, node: Optional[str], record: dict[str, Any]) -> None:
+    def _fire(self, run: _Run, fault: ScheduledFault, node: Optional[str], record: dict[str, Any]) -> None:
         record["fired_step"] = self.target.step()
         try:
             injected = self.target.inject(fault, node, self.rng)

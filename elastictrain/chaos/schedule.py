@@ -1,4 +1,4 @@
-"""Fault schedules: which faults to inject into a job, when, and for how long.
+"""ScheduledFault schedules: which faults to inject into a job, when, and for how long.
 
 A schedule is a list of faults separated by ``,``, ``;`` or newlines. One fault is::
 
@@ -82,7 +82,7 @@ def _fmt_seconds(x: float) -> str:
 
 
 @dataclass(frozen=True)
-class Fault:
+class ScheduledFault:
     """One fault to inject: what, where, when, and for how long."""
 
     kind: str
@@ -118,7 +118,7 @@ class Fault:
         return self.duration if self.duration is not None else DEFAULT_DURATIONS[self.kind]
 
     def describe(self) -> str:
-        """The fault in schedule grammar, e.g. 'partition:node2@t=120s/10s'; parses back to an equal Fault."""
+        """The fault in schedule grammar, e.g. 'partition:node2@t=120s/10s'; parses back to an equal ScheduledFault."""
         return self.describe_unchecked()
 
     def describe_unchecked(self) -> str:
@@ -137,7 +137,7 @@ class Fault:
         return out
 
     @classmethod
-    def parse(cls, token: str) -> "Fault":
+    def parse(cls, token: str) -> "ScheduledFault":
         """Parse one fault, e.g. 'kill-worker:node1#1@step=40'; ConfigError names the bad token."""
         text = token.strip()
         m = _FAULT_RE.match(text)
@@ -160,14 +160,14 @@ class Fault:
 class Schedule:
     """An ordered list of faults plus the seed of the RNG that picks unnamed nodes and ranks."""
 
-    faults: list[Fault] = field(default_factory=list)
+    faults: list[ScheduledFault] = field(default_factory=list)
     seed: int = 0
 
     @classmethod
     def parse(cls, text: str, seed: int = 0) -> "Schedule":
         """Parse faults separated by ',', ';' or newlines (grammar in the module docstring)."""
         tokens = [t.strip() for t in re.split(r"[,;\n]", text)]
-        faults = [Fault.parse(t) for t in tokens if t]
+        faults = [ScheduledFault.parse(t) for t in tokens if t]
         if not faults:
             raise ConfigError(f"chaos schedule: {text!r} holds no fault; write faults as {GRAMMAR}")
         return cls(faults=faults, seed=seed)
@@ -194,7 +194,7 @@ class Schedule:
         for i in range(count):
             kind = rng.choice(list(kinds))
             at = start_s + i * every_s + rng.uniform(-jitter, jitter) * every_s
-            faults.append(Fault(kind=kind, at_time=round(max(at, 0.0), 1)))
+            faults.append(ScheduledFault(kind=kind, at_time=round(max(at, 0.0), 1)))
         return cls(faults=faults, seed=seed)
 
     def describe(self) -> str:

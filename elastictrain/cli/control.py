@@ -42,7 +42,7 @@ def _confirm(question: str, yes: bool) -> bool:
     return answer in ("y", "yes")
 
 
-def _record(target: tgt.Target, action: str, **fields: object) -> None:
+def _record(target: tgt.JobConnection, action: str, **fields: object) -> None:
     ev = Event(time=time.time(), node=f"cli:{_who()}", kind="operator", fields={"action": action, **fields})
     target.client.put(f"{target.prefix}/events/{time.time_ns():020d}-cli",
                       json.dumps(asdict(ev), default=str).encode())

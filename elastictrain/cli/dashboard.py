@@ -47,7 +47,7 @@ def _list_checkpoints(url: Optional[str]) -> list[dict[str, Any]]:
 class Sampler:
     """Reads the job periodically; thread-safe access to the latest state for the HTTP handlers."""
 
-    def __init__(self, target: tgt.Target, interval_s: float):
+    def __init__(self, target: tgt.JobConnection, interval_s: float):
         self.target, self.interval_s = target, interval_s
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self.view: Optional[dict[str, Any]] = None

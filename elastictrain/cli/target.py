@@ -33,7 +33,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Target:
+class JobConnection:
+    """An open etcd client for one job's keys (an operator command's connection, not a chaos target)."""
+
     client: EtcdClient
     settings: EtcdSettings
 
@@ -75,14 +77,14 @@ def resolve(args: argparse.Namespace) -> tuple[str, str]:
     return endpoint, run_id
 
 
-def connect(args: argparse.Namespace, *, must_exist: bool = True) -> Target:
+def connect(args: argparse.Namespace, *, must_exist: bool = True) -> JobConnection:
     """Connect to the job's etcd; RendezvousError when unreachable or refused, or (must_exist) no such run."""
     endpoint, run_id = resolve(args)
     conf = {**_CLI_CONF, **parse_conf(args.rdzv_conf)}
     settings = EtcdSettings.from_conf(endpoint, run_id, conf)
     client = EtcdClient(settings)
     client.connect()
-    target = Target(client, settings)
+    target = JobConnection(client, settings)
     if must_exist and not run_exists(target):
         others = list_runs(target)
         target.close()
@@ -92,13 +94,13 @@ def connect(args: argparse.Namespace, *, must_exist: bool = True) -> Target:
     return target
 
 
-def run_exists(target: Target) -> bool:
+def run_exists(target: JobConnection) -> bool:
     p = target.prefix
     return any(target.client.get(k) is not None for k in (f"{p}/rdzv", f"{p}/status/job")) or bool(
         target.client.get_prefix(f"{p}/status/nodes/"))
 
 
-def list_runs(target: Target) -> list[str]:
+def list_runs(target: JobConnection) -> list[str]:
     """Run ids with any key under the key prefix (keys only; for the error message)."""
     base = target.settings.key_prefix.rstrip("/") + "/"
     try:

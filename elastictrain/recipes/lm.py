@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from elastictrain.chaos.inject import maybe_inject
+from elastictrain.chaos.in_worker import maybe_inject
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import CheckpointError, ElastictrainError
 from elastictrain.logs import setup_logging

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from elastictrain.chaos.faults import kill_node, worker_pids
+from elastictrain.chaos.process_signals import kill_node, worker_pids
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.runtime.audit import read_records

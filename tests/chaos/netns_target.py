@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 from elastictrain.chaos import injectors
 from elastictrain.chaos.runner import Injected, UnsupportedFault
-from elastictrain.chaos.schedule import NODE_KINDS, Fault
+from elastictrain.chaos.schedule import NODE_KINDS, ScheduledFault
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from tests.chaos.cluster import Job, Node
 from tests.chaos.netns import Fabric, NetnsS3Server
@@ -101,7 +101,7 @@ class NetnsTarget:
         with self._lock:
             return not self.away and not any(n.alive() for n in self.current.values())
 
-    def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
+    def inject(self, fault: ScheduledFault, node: Optional[str], rng: random.Random) -> Injected:
         kind = fault.kind
         if kind in NODE_KINDS:
             assert node is not None, f"{kind} needs a node"
@@ -124,7 +124,7 @@ class NetnsTarget:
                                    f"plain directory); use the local target")
         return Injected(fault, None, detail, heal)
 
-    def _inject_node(self, fault: Fault, host: str, rng: random.Random) -> Injected:
+    def _inject_node(self, fault: ScheduledFault, host: str, rng: random.Random) -> Injected:
         agent = self.current[host]
         if fault.kind == "kill-worker":
             detail, heal = injectors.kill_worker(agent.pid, fault.rank, rng)

@@ -21,8 +21,8 @@ import pytest
 
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.status import read_events
-from elastictrain.chaos.faults import drain_node, signal_worker
-from elastictrain.chaos.inject import CHAOS_EXIT_CODE, ENV_CHAOS
+from elastictrain.chaos.in_worker import CHAOS_EXIT_CODE, ENV_CHAOS
+from elastictrain.chaos.process_signals import drain_node, signal_worker
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.rendezvous.client import EtcdClient

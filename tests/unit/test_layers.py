@@ -1,4 +1,4 @@
-"""elastictrain's imports point down its layers, and no modules import each other, through any chain.
+"""elastictrain's layout: imports point down the layers, no module cycles, no two classes share a name.
 
 Layers, lowest first (the folders; docs: README "Layout"): the base modules (errors < config, logs, testing) <
 rendezvous < checkpoint, runtime < agent < chaos < cli, recipes. A module may import its own package and any
@@ -40,6 +40,8 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
 """Cycles known and not yet fixed, each with why. An entry that no longer matches a cycle fails the test."""
 ALLOWED_LAYER_IMPORTS: dict[tuple[str, str], str] = {}
 """(importer, imported) module pairs that break the layers knowingly, each with why; none today."""
+SHARED_CLASS_NAMES: dict[str, str] = {}
+"""Class names that more than one module of the package defines knowingly, each with why; none today."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,25 @@ def test_the_worker_side_never_loads_the_agent_side(imports: list[Import]) -> No
     assert not bad, "worker modules that load agent-side code:\n  " + "\n  ".join(bad)
 
 
+def class_definitions(package_dir: Path) -> dict[str, list[str]]:
+    """Class name -> where the package defines it ("module:line"), nested classes included."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for module, path in module_names(package_dir).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                found[node.name].append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_no_two_classes_share_a_name() -> None:
+    shared = {name: where for name, where in class_definitions(PACKAGE_DIR).items() if len(where) > 1}
+    new = {name: where for name, where in shared.items() if name not in SHARED_CLASS_NAMES}
+    assert not new, "one name, one thing: rename one of each (the name says what it is):\n  " + "\n  ".join(
+        f"{name}: {', '.join(where)}" for name, where in sorted(new.items()))
+    gone = sorted(set(SHARED_CLASS_NAMES) - set(shared))
+    assert not gone, f"these names are no longer shared: remove them from SHARED_CLASS_NAMES: {gone}"
+
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / "elastictrain" / name
@@ -225,16 +246,27 @@ def test_the_checks_see_lazy_type_only_and_relative_imports(tmp_path: Path) -> N
         "cli/__init__.py": "",
         "cli/x.py": "from elastictrain.agent.c import *\n",
         "runtime/__init__.py": "",
-        "runtime/w.py": "from elastictrain.chaos import inject\n",
+        "runtime/w.py": "from elastictrain.chaos import in_worker\n",
         "chaos/__init__.py": "",
-        "chaos/inject.py": "from ..agent.a import f\n",
+        "chaos/in_worker.py": "from ..agent.a import f\n",
     })  # fmt: skip
     imports = import_graph(package)
     assert [str(i) for i in layer_violations(imports)] == [
         "elastictrain.agent.c -> elastictrain.cli.x (line 1)",
-        "elastictrain.runtime.w -> elastictrain.chaos.inject (line 1)",
+        "elastictrain.runtime.w -> elastictrain.chaos.in_worker (line 1)",
     ]
     assert sorted(map(sorted, cycles(imports))) == [["elastictrain.agent.a", "elastictrain.agent.b"],
                                                     ["elastictrain.agent.c", "elastictrain.cli.x"]]
     assert reachable(imports, "elastictrain.runtime.w")["elastictrain.agent.b"] == [
-        "elastictrain.runtime.w", "elastictrain.chaos.inject", "elastictrain.agent.a", "elastictrain.agent.b"]
+        "elastictrain.runtime.w", "elastictrain.chaos.in_worker", "elastictrain.agent.a", "elastictrain.agent.b"]
+
+
+def test_class_names_are_seen_in_every_module_nested_ones_too(tmp_path: Path) -> None:
+    package = _tree(tmp_path, {
+        "__init__.py": "",
+        "chaos/__init__.py": "",
+        "chaos/schedule.py": "class Fault:\n    pass\n",
+        "chaos/in_worker.py": "def f():\n    class Fault:\n        pass\n",
+    })  # fmt: skip
+    assert sorted(class_definitions(package)["Fault"]) == ["elastictrain.chaos.in_worker:2",
+                                                           "elastictrain.chaos.schedule:1"]

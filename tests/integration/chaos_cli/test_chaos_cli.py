@@ -19,10 +19,10 @@ import time
 import pytest
 
 from elastictrain.agent.status import read_events, read_nodes
-from elastictrain.chaos.faults import kill_node
-from elastictrain.chaos.inject import ENV_CHAOS
+from elastictrain.chaos.in_worker import ENV_CHAOS
 from elastictrain.chaos.injectors import is_gone, wait_gone
-from elastictrain.chaos.schedule import Fault
+from elastictrain.chaos.process_signals import kill_node
+from elastictrain.chaos.schedule import ScheduledFault
 from elastictrain.checkpoint.manifest import step_dir_name
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
@@ -88,7 +88,7 @@ def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(jo
         assert all(r["skipped"] is None for r in records), out
         for r in records:
             assert r["fired_step"] is not None and r["fired_step"] < STEPS, f"fired before the job ended\n{out}"
-            assert r["fired_step"] >= (Fault.parse(r["fault"]).at_step or 0), out
+            assert r["fired_step"] >= (ScheduledFault.parse(r["fault"]).at_step or 0), out
         assert len(relaunched) == 1, f"the killed node's agent must be re-launched\n{out}"
 
         job.wait([a, b])  # the killed one's exit is SIGKILL's; the other finishes the job

@@ -65,6 +65,6 @@ def test_storage_down_kills_the_server_and_the_heal_brings_it_back_with_its_data
         assert storage.read_bytes("probe") == b"kept"
     finally:
         if relaunched is not None and not injectors.is_gone(relaunched):
-            injectors.faults.kill_node(relaunched)
+            injectors.process_signals.kill_node(relaunched)
             injectors.wait_gone(relaunched, 10)
         server.close()

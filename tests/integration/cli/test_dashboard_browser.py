@@ -15,7 +15,7 @@ import pytest
 
 from elastictrain.agent.status import EtcdStatusPublisher
 from elastictrain.cli.dashboard import Sampler, make_server
-from elastictrain.cli.target import Target
+from elastictrain.cli.target import JobConnection
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 
@@ -34,7 +34,7 @@ def dashboard(etcd, run_id):
         pub.status.step = step
         pub.on_event("join", {"group_rank": rank, "world_size": 2})
     pub.on_event("failure", {"cause": "rank 1: Signal 9 (SIGKILL)"})
-    sampler = Sampler(Target(client, settings), interval_s=0.2).start()
+    sampler = Sampler(JobConnection(client, settings), interval_s=0.2).start()
     server = make_server(sampler, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

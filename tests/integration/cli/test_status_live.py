@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.agent.jobstate import collect
-from elastictrain.cli.target import Target
+from elastictrain.cli.target import JobConnection
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 from tests.integration.cli.live_job import LiveJob
@@ -42,7 +42,7 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _wait_view(target: Target, pred, timeout: float, what: str):
+def _wait_view(target: JobConnection, pred, timeout: float, what: str):
     """In-process status reads every 0.1 s: catches states that last only a second or two."""
     deadline = time.monotonic() + timeout
     seen = []
@@ -63,7 +63,7 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
     settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
     client = EtcdClient(settings)
     client.connect()
-    target = Target(client, settings)
+    target = JobConnection(client, settings)
     try:
         a = job.start_agent(f"--metrics-port={ports[0]}", "--metrics-addr=127.0.0.1")
         b = job.start_agent(f"--metrics-port={ports[1]}", "--metrics-addr=127.0.0.1")

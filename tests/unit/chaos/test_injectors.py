@@ -54,7 +54,7 @@ class Launchers:
                                  env={**os.environ, "CHAOS_TEST_MARK": "m42"}, cwd=self.tmp)
         self.pids.append(p.pid)
         deadline = time.monotonic() + 30
-        while "ready" not in log.read_text() or len(injectors.faults.worker_pids(p.pid)) < 2:
+        while "ready" not in log.read_text() or len(injectors.process_signals.worker_pids(p.pid)) < 2:
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         return p.pid, log
@@ -62,7 +62,7 @@ class Launchers:
     def cleanup(self) -> None:
         for pid in self.pids:
             if not injectors.is_gone(pid):
-                injectors.faults.kill_node(pid)
+                injectors.process_signals.kill_node(pid)
         for pid in self.pids:
             injectors.wait_gone(pid, 10)
 
@@ -90,7 +90,7 @@ def launchers(tmp_path):
 
 def test_kill_worker_kills_the_named_rank_only(launchers):
     pid, _ = launchers.start(first_rank=4)
-    workers = injectors.faults.worker_pids(pid)
+    workers = injectors.process_signals.worker_pids(pid)
     detail, heal = injectors.kill_worker(pid, rank=5)
     assert heal is None and f"pid {workers[5]}" in detail and "rank 5" in detail
     assert injectors.wait_gone(workers[5], 10)
@@ -111,7 +111,7 @@ def test_unknown_rank_is_unsupported_and_names_the_ranks(launchers):
 
 def test_stop_worker_stops_until_healed(launchers):
     pid, _ = launchers.start()
-    worker = injectors.faults.worker_pids(pid)[1]
+    worker = injectors.process_signals.worker_pids(pid)[1]
     _, heal = injectors.stop_worker(pid, rank=1)
     assert _until(lambda: _stopped(worker))
     assert "SIGCONT" in heal()
@@ -120,7 +120,7 @@ def test_stop_worker_stops_until_healed(launchers):
 
 def test_kill_node_kills_everything_and_the_heal_relaunches_the_same_command(launchers):
     pid, log = launchers.start()
-    workers = list(injectors.faults.worker_pids(pid).values())
+    workers = list(injectors.process_signals.worker_pids(pid).values())
     detail, heal = injectors.kill_node(pid)
     assert "SIGKILL agent" in detail
     assert all(injectors.wait_gone(p, 10) for p in [pid, *workers])

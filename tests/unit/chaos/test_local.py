@@ -15,7 +15,7 @@ import pytest
 from elastictrain.agent.status import JobRecord, NodeStatus, job_key
 from elastictrain.chaos.local import LocalOptions, LocalTarget
 from elastictrain.chaos.runner import UnsupportedFault
-from elastictrain.chaos.schedule import Fault
+from elastictrain.chaos.schedule import ScheduledFault
 from elastictrain.rendezvous.settings import EtcdSettings
 
 SETTINGS = EtcdSettings.from_conf("127.0.0.1:2379", "run1", {})
@@ -62,7 +62,7 @@ def test_only_live_nodes_on_this_host_are_targets(client, caplog):
     assert "remote runs on host other-host" in caplog.text
     assert t.step() == 9 and not t.finished()
     with pytest.raises(UnsupportedFault, match="run `elastictrain chaos` there"):
-        t.inject(Fault("kill-worker"), "remote", random.Random(0))
+        t.inject(ScheduledFault("kill-worker"), "remote", random.Random(0))
 
 
 def test_finished_once_a_node_succeeded_or_every_node_left(client):
@@ -86,7 +86,7 @@ def test_finished_once_a_node_succeeded_or_every_node_left(client):
 ])
 def test_faults_that_need_more_say_what(client, kind, needs):
     with pytest.raises(UnsupportedFault, match=needs):
-        target(client).inject(Fault(kind), None, random.Random(0))
+        target(client).inject(ScheduledFault(kind), None, random.Random(0))
 
 
 def test_directory_faults_refuse_an_s3_checkpoint_url(client):
@@ -94,7 +94,7 @@ def test_directory_faults_refuse_an_s3_checkpoint_url(client):
         run_id="run1", config="", checkpoint_url="s3://bucket/ckpt", fingerprint={}, max_restarts=0, min_nodes=1,
         max_nodes=2, nproc_per_node=1, steps=10, started=0.0))).encode()
     with pytest.raises(UnsupportedFault, match="directory checkpoint URL"):
-        target(client).inject(Fault("storage-readonly"), None, random.Random(0))
+        target(client).inject(ScheduledFault("storage-readonly"), None, random.Random(0))
 
 
 def test_a_job_whose_only_node_is_being_relaunched_is_not_finished(client):
@@ -112,7 +112,7 @@ def test_a_pid_that_is_no_agent_is_never_signalled(client):
     try:
         client.node("a", host=socket.gethostname(), pid=sleeper.pid)
         with pytest.raises(UnsupportedFault, match="not an agent"):
-            target(client).inject(Fault("kill-node"), "a", random.Random(0))
+            target(client).inject(ScheduledFault("kill-node"), "a", random.Random(0))
         assert sleeper.poll() is None
     finally:
         sleeper.kill()

@@ -6,7 +6,7 @@ import threading
 from typing import Optional
 
 from elastictrain.chaos.runner import ChaosRunner, Injected, UnsupportedFault
-from elastictrain.chaos.schedule import Fault, Schedule
+from elastictrain.chaos.schedule import Schedule, ScheduledFault
 
 
 class FakeClock:
@@ -43,7 +43,7 @@ class FakeTarget:
     def finished(self) -> bool:
         return int(self.clock()) >= self.end_step
 
-    def inject(self, fault: Fault, node: Optional[str], rng: random.Random) -> Injected:
+    def inject(self, fault: ScheduledFault, node: Optional[str], rng: random.Random) -> Injected:
         if fault.kind in self.unsupported:
             raise UnsupportedFault(f"{fault.kind} needs network namespaces")
         rank = fault.rank if fault.rank is not None else rng.randrange(4)
@@ -169,7 +169,7 @@ def test_heal_failure_is_recorded_and_other_heals_still_run():
     clock = FakeClock()
     healed = []
 
-    class Target(FakeTarget):
+    class HealFailsOnNode0(FakeTarget):
         def inject(self, fault, node, rng):
             def heal():
                 if node == "node0":
@@ -177,7 +177,7 @@ def test_heal_failure_is_recorded_and_other_heals_still_run():
                 healed.append(node)
             return Injected(fault, node, "x", heal)
 
-    runner = ChaosRunner(Schedule.parse("stop-worker:node0@t=1s/2s, stop-worker:node1@t=1s/2s"), Target(clock),
-                         clock=clock, sleep=clock.sleep)
+    schedule = Schedule.parse("stop-worker:node0@t=1s/2s, stop-worker:node1@t=1s/2s")
+    runner = ChaosRunner(schedule, HealFailsOnNode0(clock), clock=clock, sleep=clock.sleep)
     records = runner.run()
     assert "mount busy" in records[0]["heal_error"] and healed == ["node1"]

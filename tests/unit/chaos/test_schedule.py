@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastictrain.chaos.schedule import DEFAULT_DURATIONS, KINDS, NODE_KINDS, WORKER_KINDS, Fault, Schedule
+from elastictrain.chaos.schedule import DEFAULT_DURATIONS, KINDS, NODE_KINDS, WORKER_KINDS, Schedule, ScheduledFault
 from elastictrain.errors import ConfigError
 
 
@@ -12,17 +12,17 @@ def test_parses_the_agreed_example():
     s = Schedule.parse("kill-worker@step=50, partition:node2@t=120s/10s", seed=3)
     assert s.seed == 3
     assert s.faults == [
-        Fault("kill-worker", at_step=50),
-        Fault("partition", target="node2", at_time=120.0, duration=10.0),
+        ScheduledFault("kill-worker", at_step=50),
+        ScheduledFault("partition", target="node2", at_time=120.0, duration=10.0),
     ]
 
 
 def test_separators_units_and_rank():
     s = Schedule.parse("kill-worker:node1#1@step=40; stop-worker#3@t=500ms/2m\nstorage-full/1.5s")
     assert s.faults == [
-        Fault("kill-worker", target="node1", rank=1, at_step=40),
-        Fault("stop-worker", rank=3, at_time=0.5, duration=120.0),
-        Fault("storage-full", duration=1.5),
+        ScheduledFault("kill-worker", target="node1", rank=1, at_step=40),
+        ScheduledFault("stop-worker", rank=3, at_time=0.5, duration=120.0),
+        ScheduledFault("storage-full", duration=1.5),
     ]
 
 
@@ -31,9 +31,9 @@ def test_separators_units_and_rank():
     "restart-etcd@t=30s", "corrupt-checkpoint@step=12", "drain-node", "kill-node:n-1.a@step=8/3s",
 ])
 def test_describe_round_trips(text):
-    fault = Fault.parse(text)
+    fault = ScheduledFault.parse(text)
     assert fault.describe() == text
-    assert Fault.parse(fault.describe()) == fault
+    assert ScheduledFault.parse(fault.describe()) == fault
 
 
 @pytest.mark.parametrize("text,named", [
@@ -56,9 +56,9 @@ def test_empty_schedule_is_an_error_that_shows_the_grammar():
 
 
 def test_heal_after_uses_kind_default():
-    assert Fault("stop-worker").heal_after == DEFAULT_DURATIONS["stop-worker"]
-    assert Fault("stop-worker", duration=2.0).heal_after == 2.0
-    assert Fault("kill-worker").heal_after is None
+    assert ScheduledFault("stop-worker").heal_after == DEFAULT_DURATIONS["stop-worker"]
+    assert ScheduledFault("stop-worker", duration=2.0).heal_after == 2.0
+    assert ScheduledFault("kill-worker").heal_after is None
 
 
 def test_random_same_seed_same_schedule():
@@ -94,7 +94,7 @@ def faults(draw):
     at_step = draw(st.integers(0, 10**6)) if trigger == "step" else None
     at_time = draw(_times) if trigger == "time" else None
     duration = draw(st.none() | _times) if DEFAULT_DURATIONS[kind] is not None else None
-    return Fault(kind, target, rank, at_step, at_time, duration)
+    return ScheduledFault(kind, target, rank, at_step, at_time, duration)
 
 
 @given(st.lists(faults(), min_size=1, max_size=6), st.integers(0, 2**32))

@@ -8,13 +8,19 @@ import time
 
 import pytest
 
-from elastictrain.chaos.inject import CHAOS_EXIT_CODE, ENV_CHAOS, Fault, maybe_inject, parse
+from elastictrain.chaos.in_worker import (
+    CHAOS_EXIT_CODE,
+    ENV_CHAOS,
+    InWorkerFault,
+    maybe_inject,
+    parse_in_worker_fault,
+)
 
 
 def test_both_forms_parse():
-    assert parse("crash@step=10,rank=1") == Fault("crash", 10, 1)
-    assert parse("slow@ms=50") == Fault("slow", 0, None, 50)
-    assert parse("slow@ms=5,step=3,rank=0") == Fault("slow", 3, 0, 5)
+    assert parse_in_worker_fault("crash@step=10,rank=1") == InWorkerFault("crash", 10, 1)
+    assert parse_in_worker_fault("slow@ms=50") == InWorkerFault("slow", 0, None, 50)
+    assert parse_in_worker_fault("slow@ms=5,step=3,rank=0") == InWorkerFault("slow", 3, 0, 5)
 
 
 @pytest.mark.parametrize("spec, must_name", [
@@ -26,7 +32,7 @@ def test_both_forms_parse():
 ])
 def test_bad_specs_name_the_problem(spec, must_name):
     with pytest.raises(ValueError, match=must_name):
-        parse(spec)
+        parse_in_worker_fault(spec)
 
 
 def test_a_straggler_waits_from_its_step_on_and_only_on_its_rank(monkeypatch):
@@ -42,7 +48,7 @@ def test_a_straggler_waits_from_its_step_on_and_only_on_its_rank(monkeypatch):
 
 
 def test_a_crash_exits_with_the_chaos_code_at_its_step_only():
-    code = ("from elastictrain.chaos.inject import maybe_inject\n"
+    code = ("from elastictrain.chaos.in_worker import maybe_inject\n"
             "maybe_inject(3, 0); maybe_inject(4, 1); print('alive', flush=True); maybe_inject(4, 0)")
     r = subprocess.run([sys.executable, "-c", code], env={ENV_CHAOS: "crash@step=4,rank=0", "PATH": ""},
                        capture_output=True, text=True, timeout=60)

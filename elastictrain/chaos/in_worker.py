@@ -1,5 +1,8 @@
-"""Deterministic in-worker faults, chosen by environment: ``ELASTICTRAIN_CHAOS=crash@step=N[,rank=R]`` or
+"""Faults a worker injects into itself, chosen by environment: ``ELASTICTRAIN_CHAOS=crash@step=N[,rank=R]`` or
 ``ELASTICTRAIN_CHAOS=slow@ms=M[,step=N][,rank=R]``.
+
+Deterministic by step and rank, unlike the chaos runner's faults (:mod:`elastictrain.chaos.schedule`), which
+act on processes, nodes and services from outside the job.
 
 The recipe calls ``maybe_inject(step, rank)`` once per step; with the variable unset it costs one dict lookup.
 
@@ -25,7 +28,9 @@ CHAOS_EXIT_CODE = 13
 
 
 @dataclass(frozen=True)
-class Fault:
+class InWorkerFault:
+    """A fault the worker of one rank (or every rank) injects into itself from a step on."""
+
     kind: str
     step: int
     rank: Optional[int] = None
@@ -38,7 +43,7 @@ _FIELDS = {"crash": ("step", "rank"), "slow": ("ms", "step", "rank")}
 _FORMS = "crash@step=N[,rank=R] or slow@ms=M[,step=N][,rank=R]"
 
 
-def parse(spec: str) -> Fault:
+def parse_in_worker_fault(spec: str) -> InWorkerFault:
     """Parse ``crash@step=N[,rank=R]`` or ``slow@ms=M[,step=N][,rank=R]``; a ValueError names what was wrong."""
     kind, _, params = spec.strip().partition("@")
     if kind not in _FIELDS:
@@ -53,10 +58,10 @@ def parse(spec: str) -> Fault:
     required = "step" if kind == "crash" else "ms"
     if required not in fields:
         raise ValueError(f"{ENV_CHAOS}={spec!r}: {required}=N is required")
-    return Fault(kind, fields.get("step", 0), fields.get("rank"), fields.get("ms", 0))
+    return InWorkerFault(kind, fields.get("step", 0), fields.get("rank"), fields.get("ms", 0))
 
 
-_cached: tuple[str, Optional[Fault]] = ("", None)
+_cached: tuple[str, Optional[InWorkerFault]] = ("", None)
 
 
 def maybe_inject(step: int, rank: int) -> None:
@@ -66,7 +71,7 @@ def maybe_inject(step: int, rank: int) -> None:
     if not spec:
         return
     if _cached[0] != spec:
-        _cached = (spec, parse(spec))
+        _cached = (spec, parse_in_worker_fault(spec))
     fault = _cached[1]
     assert fault is not None
     if fault.rank is not None and fault.rank != rank:

@@ -1,4 +1,7 @@
-"""Process-level faults on one machine: find a launcher's workers, kill or stop them, kill or drain a node.
+"""Signals to a launcher's processes on one machine, by PID: find its workers, kill or stop them, kill or drain it.
+
+The building blocks of the chaos runner's process faults (:mod:`elastictrain.chaos.injectors`, which add what a
+schedule needs: choosing a worker, healing), also used directly by tests and benchmarks.
 
 A *node* is a launcher process (``elastictrain run`` or stock ``torchrun``) started in its own session, plus its
 workers. Workers of both launchers lead sessions of their own, so killing a node's process group alone would
