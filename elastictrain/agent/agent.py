@@ -21,7 +21,6 @@ from dataclasses import asdict, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import psutil
-from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -38,6 +37,7 @@ from elastictrain.agent.budget import (
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
 from elastictrain.agent.spares import WarmPool
+from elastictrain.agent.warm import torch_starts_workers_with
 from elastictrain.errors import AgentError
 from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_REFORM
 from elastictrain.runtime.heartbeat import (
@@ -244,14 +244,11 @@ class ElasticAgent(LocalElasticAgent):
         if self._warm is None:
             pids = super()._start_workers(worker_group)
         else:
-            # torch builds each worker's environment and log files, then calls start_processes: serve that
-            # call from the pool rather than copy torch's environment construction.
-            cold_start = local_elastic_agent.start_processes
-            local_elastic_agent.start_processes = self._warm.start_processes
-            try:
+            # torch builds each worker's environment and log files, then starts the processes; the pool serves
+            # that start. torch offers no seam for it (see torch_starts_workers_with), and copying its
+            # environment construction would drift from torch's.
+            with torch_starts_workers_with(self._warm.start_processes):
                 pids = super()._start_workers(worker_group)
-            finally:
-                local_elastic_agent.start_processes = cold_start
             self._refill = True
         self._health.reset(pids, self._clock())
         if self._warm is not None:

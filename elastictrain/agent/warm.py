@@ -1,19 +1,25 @@
 """The torch side of pre-warmed spare workers: a process context that hands torch's workers to spares.
 
-See `elastictrain.agent.spares` for the pool and `elastictrain.runtime.warmstart` for the spare itself. The pool
-builds this context, so this module knows the pool only as `SpareSource`, the one method it calls: the two
-modules do not import each other.
+`torch_starts_workers_with` routes torch's worker start to it (a substitution: torch offers no seam; its
+docstring says why). See `elastictrain.agent.spares` for the pool and `elastictrain.runtime.warmstart` for the
+spare itself. The pool builds this context, so this module knows the pool only as `SpareSource`, the one method
+it calls: the two modules do not import each other.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
-from typing import Any, Optional, Protocol
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Protocol
 
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.agent.server import local_elastic_agent
+from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastictrain.runtime.exitcodes import EXIT_REFORM
+
+log = logging.getLogger(__name__)
 
 FAILED_GROUP_STOP_GRACE_S = 1.0
 """How long the survivors of a crashed worker get between SIGTERM and SIGKILL."""
@@ -61,3 +67,38 @@ class WarmContext(SubprocessContext):
                                                  local_rank_id=local_rank, numa_options=self._numa_options)
             handlers[local_rank] = handler
         self.subprocess_handlers = handlers
+
+
+@contextmanager
+def torch_starts_workers_with(start: Callable[..., PContext]) -> Iterator[None]:
+    """Within the block, torch's ``LocalElasticAgent._start_workers`` starts its workers through `start`.
+
+    A substitution, because torch (2.13) offers no seam for it. ``_start_workers`` builds every worker's
+    environment inline (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, LOCAL_RANK or CUDA_VISIBLE_DEVICES,
+    OMP_NUM_THREADS, the args' ${local_rank} macro, log-line prefixes) and, in the same method, calls the
+    module-level ``start_processes`` that local_elastic_agent imported by name. No method returns that environment
+    or creates the process context; the overridable methods it calls (``_set_local_rank_env``,
+    ``_setup_local_watchdog(envs)``, ``_setup_healthcheck``) run before the start and cannot replace it;
+    ``start_processes`` takes no context class (a binary entrypoint always gets ``SubprocessContext``, whose
+    processes come from the module-level ``get_subprocess_handler``); and the one object the agent is given,
+    ``LogsSpecs``, only chooses log files. The alternative, building the PContext ourselves, means copying
+    that environment construction, which changes between torch releases. So the one call is replaced for the
+    length of the block and restored after it, on error too; only the agent's run loop starts workers, so
+    nothing else sees the replacement. tests/unit/agent/test_warm.py fails when torch stops calling it.
+    """
+    called = False
+
+    def start_and_note(**kwargs: Any) -> PContext:
+        nonlocal called
+        called = True
+        return start(**kwargs)
+
+    torch_start = local_elastic_agent.start_processes
+    local_elastic_agent.start_processes = start_and_note
+    try:
+        yield
+    finally:
+        local_elastic_agent.start_processes = torch_start
+    if not called:
+        log.warning("torch started the workers without local_elastic_agent.start_processes: spares and the fast "
+                    "stop of a crashed group are off. Pin torch to a tested version or pass --no-warm-spares")
