@@ -11,6 +11,7 @@ import hashlib
 import json
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -132,6 +133,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class HangConfig:
+    """Hang detection (the agent's rule, docs/agent.md "Hang rule"); flags `--heartbeat-*` override each field."""
+
+    floor_s: float = 30.0
+    """Floor of the train-phase timeout max(floor_s, step_time_multiplier x p95 step time); 0 turns hang
+    detection off."""
+    step_time_multiplier: float = 5.0
+    startup_timeout_s: float = 300.0
+    """Time a worker may take to send its first heartbeat (see `expect_heartbeats`)."""
+    expect_heartbeats: Optional[bool] = None
+    """Whether the workers send heartbeats from their start (our worker API does). None: true for the recipe,
+    false for a user's script, whose workers are held to `startup_timeout_s` only once one of this agent's
+    workers has sent a beat (a script that never beats is never judged hung; exits are still seen at once)."""
+    warmup_timeout_s: float = 600.0
+    """Train-phase timeout until the step time is calibrated."""
+    init_timeout_s: float = 600.0
+    """Allowance for the init and paused phases."""
+    load_timeout_s: float = 900.0
+    save_timeout_s: float = 900.0
+    done_timeout_s: float = 600.0
+    """Allowance for the done phase: final save, summary, teardown."""
+
+
+@dataclass
 class ElasticConfig:
     min_nodes: int = 1
     max_nodes: int = 1
@@ -153,8 +178,9 @@ class ElasticConfig:
     """host:port[,host:port...] of etcd; None starts an embedded local etcd."""
     run_id: str = "elastictrain"
     lease_ttl_s: float = 5.0
-    heartbeat_timeout_s: float = 30.0
-    """Floor of the hang-detection timeout (it is also calibrated from observed step times)."""
+    heartbeat_timeout_s: Optional[float] = None
+    """Deprecated name of `hang.floor_s` (read into it with a warning)."""
+    hang: HangConfig = field(default_factory=HangConfig)
     join_grace_s: float = 10.0
     """How long a forming round waits for more nodes once `min_nodes` joined (torch's last call): at the first
     formation for any node; when re-forming, only for nodes alive in etcd that have not joined yet."""
@@ -166,6 +192,8 @@ class ElasticConfig:
     warm_spares: bool = True
     """Keep one pre-warmed spare worker per local rank (about 350 MB of host memory each) so that a restart
     does not wait for Python, torch and the model code to import."""
+    prewarm: list[str] = field(default_factory=list)
+    """Modules a spare imports before it waits (`--prewarm a,b`); a user's script's spares also import torch."""
 
 
 @dataclass
@@ -244,6 +272,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
         return dict(value)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -318,25 +351,27 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = _parse_scalar(raw)
 
 
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a YAML file "
+                          f"(see configs/tiny-cpu.yaml)")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections (model, data, train...)")
+    return loaded
+
+
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> JobConfig:
     """Read a YAML job file (or the defaults), apply `--set` overrides, and validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass --config with a YAML file "
-                              f"(see configs/tiny-cpu.yaml)")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections (model, data, train...)")
-        data = loaded
+    data: dict[str, Any] = _read_yaml(path) if path is not None else {}
     for o in overrides:
         apply_override(data, o)
     cfg = _build(JobConfig, data, "")
@@ -346,6 +381,24 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
         cfg.model.overrides = merged
     validate(cfg)
     return cfg
+
+
+def load_elastic(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> ElasticConfig:
+    """Only the `elastic` section of a YAML file (or the defaults) with `--set elastic.*` overrides, validated.
+
+    What `elastictrain run script.py` reads: the script owns its training config, so the other sections of the
+    file are not read and a `--set` of another section is an error.
+    """
+    for o in overrides:
+        if not o.strip().startswith("elastic."):
+            raise ConfigError(f"--set {o!r}: a script owns its own training config; with a script, --set takes "
+                              f"only elastic.* fields (pass the script's own options after the script)")
+    data = {"elastic": (_read_yaml(path).get("elastic") or {}) if path is not None else {}}
+    for o in overrides:
+        apply_override(data, o)
+    e = _build(ElasticConfig, data["elastic"], "elastic")
+    validate_elastic(e)
+    return e
 
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:
@@ -405,8 +458,24 @@ def validate(cfg: JobConfig) -> None:
                           f"rank 0's storage check in a collective")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
-    if min(e.lease_ttl_s, e.heartbeat_timeout_s, e.rdzv_timeout_s, e.join_grace_s) <= 0 or e.rejoin_wait_s < 0:
-        raise ConfigError("elastic timeouts (lease_ttl_s, heartbeat_timeout_s, rdzv_timeout_s, join_grace_s) must "
+    if t.stop_at < 0:
+        raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
+    if t.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
+    validate_elastic(e)
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
+                          f"holding a transformers config.json, or remove it to use model.name")
+
+
+def validate_elastic(e: ElasticConfig) -> None:
+    """Check the `elastic` section; read the deprecated `heartbeat_timeout_s` into `hang.floor_s`."""
+    if e.heartbeat_timeout_s is not None:
+        warnings.warn(f"elastic.heartbeat_timeout_s is deprecated: it is the floor of the hang timeout; set "
+                      f"elastic.hang.floor_s: {e.heartbeat_timeout_s:g} instead", FutureWarning, stacklevel=3)
+        e.hang.floor_s, e.heartbeat_timeout_s = e.heartbeat_timeout_s, None
+    if min(e.lease_ttl_s, e.rdzv_timeout_s, e.join_grace_s) <= 0 or e.rejoin_wait_s < 0:
+        raise ConfigError("elastic timeouts (lease_ttl_s, rdzv_timeout_s, join_grace_s) must "
                           "be > 0 and rejoin_wait_s >= 0")
     for name in ("max_restarts", "crash_loop_restarts", "max_no_progress_restarts"):
         if getattr(e, name) < 0:
@@ -416,10 +485,11 @@ def validate(cfg: JobConfig) -> None:
                           f"elastic.restart_backoff_max_s={e.restart_backoff_max_s:g}")
     if not 0 <= e.restart_backoff_jitter < 1:
         raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
-    if t.stop_at < 0:
-        raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
-    if t.collective_timeout_s <= 0:
-        raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
-                          f"holding a transformers config.json, or remove it to use model.name")
+    h = e.hang
+    if h.floor_s < 0:
+        raise ConfigError(f"elastic.hang.floor_s must be >= 0 (got {h.floor_s:g}); 0 turns hang detection off")
+    for name in ("step_time_multiplier", "startup_timeout_s", "warmup_timeout_s", "init_timeout_s",
+                 "load_timeout_s", "save_timeout_s", "done_timeout_s"):
+        if getattr(h, name) <= 0:
+            raise ConfigError(f"elastic.hang.{name} must be > 0 (got {getattr(h, name):g}); to turn hang "
+                              f"detection off set elastic.hang.floor_s: 0")

@@ -1,7 +1,9 @@
 """Worker health: last heartbeat per local worker, and the hang rule. Pure logic; the caller passes the clock.
 
 Rule: a running worker is hung when it has made no progress for longer than the timeout of its phase:
-  - never beat since it started:          ``startup_timeout_s``
+  - never beat since it started:          ``startup_timeout_s``, only when ``expect_beats`` or once any worker of
+                                          this monitor has beaten (a user's script that never beats is never
+                                          judged; its exits are seen by the agent's worker monitor all the same)
   - train, calibrated (enough step times): ``max(hang_floor_s, step_time_multiplier x p95 step time)``
   - train, not yet calibrated:             ``warmup_timeout_s`` (first steps may compile, warm caches)
   - init / load / save / paused / done:   their own allowance (never below the floor)
@@ -17,27 +19,42 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from elastictrain.config import HangConfig
 from elastictrain.errors import ConfigError
 from elastictrain.runtime.heartbeat import Beat
+
+_HANG = HangConfig()  # the documented defaults live in elastictrain.config
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """Hang detection settings; the defaults are the documented ones (docs/agent.md)."""
+    """Hang detection settings; the defaults are the config's (`elastic.hang`, docs/agent.md)."""
 
     enabled: bool = True
-    hang_floor_s: float = 30.0
-    step_time_multiplier: float = 5.0
+    hang_floor_s: float = _HANG.floor_s
+    step_time_multiplier: float = _HANG.step_time_multiplier
     step_time_quantile: float = 0.95
     calibration_min_steps: int = 5
     calibration_window: int = 200
-    startup_timeout_s: float = 300.0
-    warmup_timeout_s: float = 600.0
-    init_timeout_s: float = 600.0
-    load_timeout_s: float = 900.0
-    save_timeout_s: float = 900.0
-    paused_timeout_s: float = 600.0
-    done_timeout_s: float = 600.0
+    startup_timeout_s: float = _HANG.startup_timeout_s
+    expect_beats: bool = True
+    """Hold a worker that never beat to ``startup_timeout_s`` from its start; False: only once a worker beat."""
+    warmup_timeout_s: float = _HANG.warmup_timeout_s
+    init_timeout_s: float = _HANG.init_timeout_s
+    load_timeout_s: float = _HANG.load_timeout_s
+    save_timeout_s: float = _HANG.save_timeout_s
+    paused_timeout_s: float = _HANG.init_timeout_s
+    done_timeout_s: float = _HANG.done_timeout_s
+
+    @classmethod
+    def from_hang(cls, hang: HangConfig, expect_beats: bool) -> "HealthConfig":
+        """The agent's settings from the config's `elastic.hang` (floor 0: hang detection off)."""
+        return cls(enabled=hang.floor_s > 0, hang_floor_s=hang.floor_s or _HANG.floor_s,
+                   step_time_multiplier=hang.step_time_multiplier, startup_timeout_s=hang.startup_timeout_s,
+                   expect_beats=expect_beats, warmup_timeout_s=hang.warmup_timeout_s,
+                   init_timeout_s=hang.init_timeout_s, paused_timeout_s=hang.init_timeout_s,
+                   load_timeout_s=hang.load_timeout_s, save_timeout_s=hang.save_timeout_s,
+                   done_timeout_s=hang.done_timeout_s)
 
     def __post_init__(self) -> None:
         for name in ("hang_floor_s", "step_time_multiplier", "startup_timeout_s", "warmup_timeout_s",
@@ -96,6 +113,8 @@ class HealthMonitor:
 
     config: HealthConfig = field(default_factory=HealthConfig)
     workers: dict[int, WorkerHealth] = field(default_factory=dict)
+    beats_seen: bool = False
+    """Some worker of this monitor (any group so far) has sent a beat: its workers do use heartbeats."""
     _step_times: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +138,7 @@ class HealthMonitor:
         w = self.workers.get(beat.local_rank)
         if w is None or w.pid != beat.pid:
             return False
+        self.beats_seen = True
         if beat.phase == "train":
             if w.first_step is None:
                 w.first_step = beat.step
@@ -170,6 +190,8 @@ class HealthMonitor:
         for lr, w in self.workers.items():
             if running is not None and lr not in running:
                 continue
+            if w.phase is None and not (self.config.expect_beats or self.beats_seen):
+                continue  # a script that does not use our worker API never beats: only its exit says anything
             since = w.started if w.last_progress is None else w.last_progress
             timeout, rule = self.timeout_for(w.phase)
             silent = now - since

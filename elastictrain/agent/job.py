@@ -1,14 +1,18 @@
 """`elastictrain run`: one node of a job — our agent, the etcd v3 rendezvous, status and budget in etcd.
 
-    elastictrain run --config job.yaml [--set f=v ...] [torchrun flags] [--heartbeat-* flags]
+    elastictrain run --config job.yaml [--set f=v ...] [torchrun flags] [our flags]         the recipe
+    elastictrain run [--config job.yaml] [--set elastic.f=v ...] [flags] script.py [args]   your script
+    elastictrain run [--config job.yaml] [--set elastic.f=v ...] [flags] -m module [args]   your module
 
-Defaults for the torchrun flags come from the config's `elastic` section; flags given on the command line win.
-Without an etcd endpoint (flag or `elastic.rdzv_endpoint`) a single-node job starts an embedded etcd on a
+The agent's settings are the config's `elastic` section (for a script only that section of the file is read; the
+script owns its training config), with `--set elastic.*` applied, then the flags given on the command line, which
+win. Without an etcd endpoint (flag or `elastic.rdzv_endpoint`) a single-node job starts an embedded etcd on a
 free loopback port and stops it at exit. A node re-joins by running the same command again.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -25,10 +29,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPolicy
 from elastictrain.agent.control import ControlRelay
-from elastictrain.agent.launch import get_args_parser, launch, parse_args
-from elastictrain.agent.spares import RECIPE_MODULE, WarmPool
+from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
+from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
 from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events
-from elastictrain.config import JobConfig, load_config
+from elastictrain.config import ElasticConfig, JobConfig, load_config, load_elastic
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
@@ -37,39 +41,60 @@ from elastictrain.runtime.exitcodes import EXIT_FATAL
 
 log = logging.getLogger(__name__)
 
+_NOT_HERE = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")
+"""torchrun flags `elastictrain run` refuses: they replace the etcd rendezvous or the Python worker it warms."""
 
 
-def _flag_given(argv: Sequence[str], *names: str) -> bool:
-    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+def load_settings(run: RunArgs) -> tuple[Optional[JobConfig], ElasticConfig]:
+    """The job config (the recipe's; None for a script) and the agent's `elastic` section, validated."""
+    if run.target is None:
+        if not run.config:
+            raise ConfigError("elastictrain run needs a script (`elastictrain run [flags] train.py [args]`, or "
+                              "`-m module`) or a job config for the recipe (`--config job.yaml`)")
+        cfg = load_config(run.config, run.overrides)
+        return cfg, cfg.elastic
+    return None, load_elastic(run.config, run.overrides)
 
 
-def _flag_value(argv: Sequence[str], *names: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a.split("=", 1)[1]
-    return None
+def parse_flags(run: RunArgs, elastic: ElasticConfig) -> argparse.Namespace:
+    """The launcher's settings: `elastic`'s values, the flags given over them, and the worker's target."""
+    parser = get_args_parser(elastic)
+    known = {o for a in parser._actions for o in a.option_strings}
+    unknown = [f.split("=", 1)[0] for f in run.flags if f.startswith("-") and f.split("=", 1)[0] not in known]
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {', '.join(unknown)} for elastictrain run; see elastictrain run --help "
+                          f"(the script's own flags go after the script)")
+    refused = [f for f in run.flags if f.split("=", 1)[0] in _NOT_HERE]
+    if refused:
+        raise ConfigError(f"elastictrain run does not take {', '.join(refused)}: it runs Python workers with an etcd "
+                          f"rendezvous (leave the flag out, or use torchrun)")
+    # The worker's target is set below, not parsed: the flags alone leave the positional empty.
+    next(a for a in parser._actions if a.dest == "training_script").nargs = "?"
+    args = parser.parse_args(run.flags)
+    if args.rdzv_backend != "etcd3":
+        raise ConfigError(f"elastictrain run keeps its job state in etcd: --rdzv-backend {args.rdzv_backend} is not "
+                          f"supported; leave it out (etcd3), or use torchrun")
+    if run.target is None:
+        args.module, args.training_script = True, RECIPE_MODULE
+        args.training_script_args = ["--config", str(run.config), *[x for o in run.overrides for x in ("--set", o)]]
+    else:
+        args.module, args.training_script, args.training_script_args = run.module, run.target, run.target_args
+    return args
 
 
-def torchrun_argv(cfg: JobConfig, config_path: str, overrides: Sequence[str], user_argv: Sequence[str],
-                  endpoint: str) -> list[str]:
-    """torchrun-style argv: config defaults, then the user's flags (which win), then the recipe."""
-    e = cfg.elastic
-    argv = [f"--nnodes={e.min_nodes}:{e.max_nodes}", f"--nproc-per-node={e.nproc_per_node}",
-            f"--max-restarts={e.max_restarts}", "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={e.run_id}", f"--heartbeat-timeout={e.heartbeat_timeout_s}"]
-    if not e.warm_spares:
-        argv.append("--no-warm-spares")
-    if not _flag_given(user_argv, "--rdzv-conf", "--rdzv_conf"):
-        argv.append(f"--rdzv-conf=lease_ttl={e.lease_ttl_s:g},last_call_timeout={e.join_grace_s:g},"
-                    f"rejoin_wait={e.rejoin_wait_s:g},join_timeout={e.rdzv_timeout_s:g}")
-    argv += list(user_argv)
-    argv += ["-m", RECIPE_MODULE, "--config", config_path]
-    for o in overrides:
-        argv += ["--set", o]
-    return argv
+def launch_request(run: RunArgs, elastic: ElasticConfig) -> LaunchRequest:
+    """The launch request of a command line whose etcd is given (flag or config)."""
+    return request_from_args(parse_flags(run, elastic), elastic)
+
+
+def _embedded_etcd(nnodes: str, stack: ExitStack) -> str:
+    """An etcd of this process's own for a single-node job given none; stopped when `stack` closes."""
+    if nnodes not in ("1", "1:1"):
+        raise ConfigError(f"a multi-node job (--nnodes {nnodes}) needs an etcd: pass --rdzv-endpoint "
+                          f"host:2379[,host:2379...] or set elastic.rdzv_endpoint")
+    etcd = stack.enter_context(EmbeddedEtcd(die_with_caller=True))  # we run in the main thread
+    log.info("no etcd endpoint given: started an embedded etcd at %s (pid %s)", etcd.endpoint, etcd.pid)
+    return etcd.endpoint
 
 
 def _checkpoint_url(url: Optional[str]) -> Optional[str]:
@@ -79,44 +104,32 @@ def _checkpoint_url(url: Optional[str]) -> Optional[str]:
     return os.path.abspath(url)
 
 
-def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str],
-            spares: Optional[WarmPool] = None) -> int:
+def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     """Run this node's agent until the job ends; returns the process exit code."""
-    cfg = load_config(config_path, list(overrides))  # fail fast, before anything starts
-    # A probe script name: any other positional argument (not a flag's value) lands before it.
-    probe = get_args_parser().parse_known_args([*user_argv, "__config__"])[0]
-    bad = probe.training_script != "__config__" or probe.training_script_args
-    if bad or _flag_given(user_argv, "-m", "--module", "--no-python", "--standalone"):
-        raise ConfigError(f"elastictrain run takes torchrun flags but no script or --standalone (got "
-                          f"{' '.join(user_argv)}); the config names what to train")
-    endpoint = _flag_value(user_argv, "--rdzv-endpoint", "--rdzv_endpoint") or cfg.elastic.rdzv_endpoint
-    run_id = _flag_value(user_argv, "--rdzv-id", "--rdzv_id") or cfg.elastic.run_id
+    run = RunArgs.split(run_argv)
+    cfg, elastic = load_settings(run)  # fail fast, before anything starts
+    args = parse_flags(run, elastic)
     with ExitStack() as stack:
-        if endpoint is None:
-            nnodes = _flag_value(user_argv, "--nnodes") or f"{cfg.elastic.min_nodes}:{cfg.elastic.max_nodes}"
-            if nnodes not in ("1", "1:1"):
-                raise ConfigError(f"a multi-node job (--nnodes {nnodes}) needs an etcd: pass --rdzv-endpoint "
-                                  f"host:2379[,host:2379...] or set elastic.rdzv_endpoint")
-            etcd = stack.enter_context(EmbeddedEtcd(die_with_caller=True))  # we run in the main thread
-            endpoint = etcd.endpoint
-            log.info("no etcd endpoint given: started an embedded etcd at %s (pid %s)", endpoint, etcd.pid)
-        request = parse_args(torchrun_argv(cfg, config_path, overrides, user_argv, endpoint))
-        settings = EtcdSettings.from_conf(endpoint, run_id, request.config.rdzv_configs)
+        if not args.rdzv_endpoint:
+            args.rdzv_endpoint = _embedded_etcd(args.nnodes, stack)
+        request = request_from_args(args, elastic)
+        run_id = request.config.run_id
+        settings = EtcdSettings.from_conf(request.config.rdzv_endpoint, run_id, request.config.rdzv_configs)
         client = EtcdClient(settings)
         client.connect()
         stack.callback(client.close)
-        e = cfg.elastic
         policy = RestartPolicy(
-            max_restarts=request.config.max_restarts, crash_loop_restarts=e.crash_loop_restarts,
-            max_no_progress_restarts=e.max_no_progress_restarts, backoff_s=e.restart_backoff_s,
-            backoff_max_s=e.restart_backoff_max_s, backoff_jitter=e.restart_backoff_jitter)
+            max_restarts=request.config.max_restarts, crash_loop_restarts=elastic.crash_loop_restarts,
+            max_no_progress_restarts=elastic.max_no_progress_restarts, backoff_s=elastic.restart_backoff_s,
+            backoff_max_s=elastic.restart_backoff_max_s, backoff_jitter=elastic.restart_backoff_jitter)
         budget = RestartBudget(client, settings.run_prefix, policy=policy)
-        ckpt_url = _checkpoint_url(cfg.checkpoint.url)
+        ckpt_url = _checkpoint_url(cfg.checkpoint.url) if cfg is not None else None
         publish_job(client, settings.run_prefix, JobRecord(
-            run_id=run_id, config=os.path.abspath(config_path), checkpoint_url=ckpt_url, fingerprint=cfg.fingerprint(),
+            run_id=run_id, config=os.path.abspath(run.config) if run.config else "",
+            checkpoint_url=ckpt_url, fingerprint=cfg.fingerprint() if cfg is not None else {},
             max_restarts=request.config.max_restarts, min_nodes=request.config.min_nodes,
-            max_nodes=request.config.max_nodes, nproc_per_node=request.config.nproc_per_node, steps=cfg.train.steps,
-            started=time.time(), restart_policy=asdict(policy)))
+            max_nodes=request.config.max_nodes, nproc_per_node=request.config.nproc_per_node,
+            steps=cfg.train.steps if cfg is not None else 0, started=time.time(), restart_policy=asdict(policy)))
         publisher: Optional[EtcdStatusPublisher] = None
         agent_ref: dict[str, Any] = {}
         relay = ControlRelay(client, settings.run_prefix, lambda: publisher.node if publisher else None,
@@ -144,7 +157,8 @@ def run_job(config_path: str, overrides: Sequence[str], user_argv: Sequence[str]
         listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
         try:
             launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
-                   budget=budget, on_agent=on_agent, warm_spares=request.warm_spares, warm_pool=spares)
+                   budget=budget, on_agent=on_agent, warm_spares=request.warm_spares,
+                   warm_pool=spares or warm_pool(request))
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             log.error("job failed: rank %s exited with %s: %s", rank, failure.exitcode, failure.message)
@@ -192,22 +206,32 @@ def _succeeded(client: EtcdClient, run_prefix: str) -> bool:
 
 
 def add_run_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "run", help="train a job from a YAML config on this node (run the same command on every node)",
-        description=__doc__.split("\n\n")[0], epilog="torchrun flags (--nnodes, --nproc-per-node, --rdzv-endpoint, "
-        "--rdzv-id, --max-restarts, --rdzv-conf, ...) and --heartbeat-* flags are accepted; see "
-        "`python -m elastictrain.agent.launch --help`.")
-    p.add_argument("--config", required=True, help="YAML job file, e.g. configs/tiny-cpu.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a config field, e.g. --set train.steps=200 (repeatable)")
+    """`run` in `elastictrain --help`; its command line is parsed by `main_run` (everything after a script is the
+    script's)."""
+    sub.add_parser("run", add_help=False, help="run a job on this node: the recipe from a YAML config, or your own "
+                   "script (run the same command on every node)", description=__doc__.split("\n\n")[0])
 
 
-def main_run(args: Any, extra: list[str], spares: Optional[WarmPool] = None) -> int:
+def run_help() -> str:
+    """`elastictrain run --help`: our config sources, then torchrun's and our flags."""
+    parser = get_args_parser(ElasticConfig())
+    parser.usage = ("elastictrain run [--config job.yaml] [--set section.field=value ...] [flags] "
+                    "[script.py | -m module] [args...]")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    g = parser.add_argument_group("elastictrain config")
+    g.add_argument("--config", help="YAML job file: the recipe's whole config, or with a script only its `elastic` "
+                   "section (e.g. configs/tiny-cpu.yaml)")
+    g.add_argument("--set", metavar="SECTION.FIELD=VALUE", help="override a config field, e.g. --set "
+                   "train.steps=200 or --set elastic.nproc_per_node=4 (repeatable; with a script elastic.* only)")
+    return parser.format_help()
+
+
+def main_run(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
+    """`elastictrain run RUN_ARGV`; ``spares``: the pool `start_early` started before torch was imported."""
+    if {"-h", "--help"} & set(RunArgs.split(run_argv).flags):
+        sys.stdout.write(run_help())
+        return 0
     logging.basicConfig(level=os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # torchrun's parser would exit(2) on an unknown flag with usage text; check first for a clear error
-    known = {s for a in get_args_parser()._actions for s in a.option_strings}
-    unknown = [a.split("=", 1)[0] for a in extra if a.startswith("--") and a.split("=", 1)[0] not in known]
-    if unknown:
-        raise ConfigError(f"unknown flag(s) {', '.join(unknown)} for elastictrain run; see elastictrain run --help")
-    return run_job(args.config, args.overrides, extra, spares)
+    return run_job(run_argv, spares)

@@ -1,6 +1,10 @@
 """Start our agent on this node: torchrun's flags and launch sequence, our agent and health flags.
 
 ``python -m elastictrain.agent.launch [torchrun flags] [--heartbeat-* flags] script.py args...``
+
+Settings have one schema, the config's `elastic` section (`ElasticConfig`): `get_args_parser(elastic)` takes its
+values as the flags' defaults, so a flag given on the command line overrides the YAML and nothing is turned into
+argv strings to be parsed again.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from torch.distributed.elastic import events, metrics
@@ -27,14 +31,13 @@ from torch.distributed.run import get_args_parser as torchrun_args_parser
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
-from elastictrain.agent.spares import WarmPool
+from elastictrain.agent.spares import RECIPE_MODULE, SCRIPT_PREWARM, WarmPool
+from elastictrain.config import ElasticConfig, HangConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MONITOR_INTERVAL_S = 0.1
 """How often the agent polls its workers (exit detection latency) and drains heartbeats."""
-
-_DEFAULT_HEALTH = HealthConfig()
 
 
 @dataclass
@@ -49,34 +52,47 @@ class LaunchRequest:
     metrics_port: int = 0
     metrics_addr: str = "0.0.0.0"
     warm_spares: bool = True
+    prewarm: list[str] = field(default_factory=list)
+    """Modules the spare workers import before they wait (torch's for a user's script; `--prewarm`)."""
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    """torchrun's own parser (every torchrun flag carries over) plus the heartbeat flags."""
+def get_args_parser(elastic: ElasticConfig | None = None) -> argparse.ArgumentParser:
+    """torchrun's own parser (every torchrun flag carries over) plus ours, defaulting to ``elastic``'s values.
+
+    Without ``elastic`` torchrun's flags keep torchrun's defaults (`python -m elastictrain.agent.launch`).
+    """
     parser = torchrun_args_parser()
     parser.prog = "elastictrain run"
     parser.set_defaults(monitor_interval=DEFAULT_MONITOR_INTERVAL_S)
-    g = parser.add_argument_group("elastictrain worker health")
-    g.add_argument("--heartbeat-timeout", type=float, default=_DEFAULT_HEALTH.hang_floor_s,
+    hang = (elastic or ElasticConfig()).hang
+    g = parser.add_argument_group("elastictrain worker health (config: elastic.hang)")
+    g.add_argument("--heartbeat-timeout", type=float, default=hang.floor_s,
                    help="floor (s) of the train-phase hang timeout max(floor, multiplier x p95 step time); "
-                        "0 turns hang detection off (default %(default)s)")
-    g.add_argument("--heartbeat-step-multiplier", type=float, default=_DEFAULT_HEALTH.step_time_multiplier,
+                        "0 turns hang detection off (elastic.hang.floor_s, default %(default)s)")
+    g.add_argument("--heartbeat-step-multiplier", type=float, default=hang.step_time_multiplier,
                    help="train-phase hang timeout in units of the p95 step time (default %(default)s)")
-    g.add_argument("--heartbeat-startup-timeout", type=float, default=_DEFAULT_HEALTH.startup_timeout_s,
+    g.add_argument("--heartbeat-startup-timeout", type=float, default=hang.startup_timeout_s,
                    help="seconds a worker may take to send its first heartbeat (default %(default)s)")
-    g.add_argument("--heartbeat-warmup-timeout", type=float, default=_DEFAULT_HEALTH.warmup_timeout_s,
+    g.add_argument("--expect-heartbeats", action=argparse.BooleanOptionalAction, default=hang.expect_heartbeats,
+                   help="hold workers to the startup timeout from their start; default: yes for the recipe, for a "
+                        "script only once one of this node's workers has sent a heartbeat")
+    g.add_argument("--heartbeat-warmup-timeout", type=float, default=hang.warmup_timeout_s,
                    help="train-phase timeout before the step time is calibrated (default %(default)s)")
-    g.add_argument("--heartbeat-init-timeout", type=float, default=_DEFAULT_HEALTH.init_timeout_s,
+    g.add_argument("--heartbeat-init-timeout", type=float, default=hang.init_timeout_s,
                    help="allowance for the init and paused phases (default %(default)s)")
-    g.add_argument("--heartbeat-load-timeout", type=float, default=_DEFAULT_HEALTH.load_timeout_s,
+    g.add_argument("--heartbeat-load-timeout", type=float, default=hang.load_timeout_s,
                    help="allowance for the load phase (default %(default)s)")
-    g.add_argument("--heartbeat-save-timeout", type=float, default=_DEFAULT_HEALTH.save_timeout_s,
+    g.add_argument("--heartbeat-save-timeout", type=float, default=hang.save_timeout_s,
                    help="allowance for the save phase (default %(default)s)")
-    g.add_argument("--heartbeat-done-timeout", type=float, default=_DEFAULT_HEALTH.done_timeout_s,
+    g.add_argument("--heartbeat-done-timeout", type=float, default=hang.done_timeout_s,
                    help="allowance for the done phase: final save, summary, teardown (default %(default)s)")
-    g.add_argument("--no-warm-spares", dest="warm_spares", action="store_false",
+    s = parser.add_argument_group("elastictrain spare workers")
+    s.add_argument("--no-warm-spares", dest="warm_spares", action="store_false",
                    help="start every worker cold instead of from a pre-warmed spare (saves ~350 MB per local "
                         "rank of idle host memory; restarts then wait for imports)")
+    s.add_argument("--prewarm", type=_module_list, default=list(elastic.prewarm) if elastic else [],
+                   metavar="MOD[,MOD...]", help="modules the spares import before they wait (a script's spares "
+                   "also import torch and torch.distributed)")
     g.add_argument("--event-log", default=None,
                    help="append agent events (join, restart, failure, hang, ...) as JSON lines to this file")
     m = parser.add_argument_group("elastictrain metrics")
@@ -84,28 +100,46 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics of this agent on this port (0: off, the default)")
     m.add_argument("--metrics-addr", default="0.0.0.0",
                    help="address the metrics endpoint binds to (default %(default)s)")
+    if elastic is not None:
+        parser.set_defaults(**_torchrun_defaults(elastic))
     return parser
 
 
+def _module_list(text: str) -> list[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _torchrun_defaults(e: ElasticConfig) -> dict[str, Any]:
+    """torchrun's flags' values from the `elastic` section; `--rdzv-conf` keys are merged in `rdzv_configs`."""
+    return {"nnodes": f"{e.min_nodes}:{e.max_nodes}", "nproc_per_node": str(e.nproc_per_node),
+            "max_restarts": e.max_restarts, "rdzv_backend": "etcd3", "rdzv_endpoint": e.rdzv_endpoint or "",
+            "rdzv_id": e.run_id, "warm_spares": e.warm_spares}
+
+
+def rdzv_configs(e: ElasticConfig) -> dict[str, Any]:
+    """The rendezvous settings of the `elastic` section, as `--rdzv-conf` keys (a key given there wins)."""
+    return {"lease_ttl": e.lease_ttl_s, "last_call_timeout": e.join_grace_s, "rejoin_wait": e.rejoin_wait_s,
+            "join_timeout": e.rdzv_timeout_s}
+
+
 def health_from_args(args: argparse.Namespace) -> HealthConfig:
-    enabled = args.heartbeat_timeout > 0
-    return HealthConfig(
-        enabled=enabled,
-        hang_floor_s=args.heartbeat_timeout if enabled else _DEFAULT_HEALTH.hang_floor_s,
-        step_time_multiplier=args.heartbeat_step_multiplier,
-        startup_timeout_s=args.heartbeat_startup_timeout,
-        warmup_timeout_s=args.heartbeat_warmup_timeout,
-        init_timeout_s=args.heartbeat_init_timeout,
-        paused_timeout_s=args.heartbeat_init_timeout,
-        load_timeout_s=args.heartbeat_load_timeout,
-        save_timeout_s=args.heartbeat_save_timeout,
-        done_timeout_s=args.heartbeat_done_timeout,
-    )
+    """The hang rule's settings: the flags (whose defaults are `elastic.hang`'s)."""
+    hang = HangConfig(floor_s=args.heartbeat_timeout, step_time_multiplier=args.heartbeat_step_multiplier,
+                      startup_timeout_s=args.heartbeat_startup_timeout, warmup_timeout_s=args.heartbeat_warmup_timeout,
+                      init_timeout_s=args.heartbeat_init_timeout, load_timeout_s=args.heartbeat_load_timeout,
+                      save_timeout_s=args.heartbeat_save_timeout, done_timeout_s=args.heartbeat_done_timeout)
+    runs_recipe = bool(args.module) and args.training_script == RECIPE_MODULE
+    expect = args.expect_heartbeats if args.expect_heartbeats is not None else runs_recipe
+    return HealthConfig.from_hang(hang, expect_beats=expect)
 
 
-def parse_args(argv: Sequence[str]) -> LaunchRequest:
-    """Parse a torchrun-style command line (with our flags) into a launch request."""
-    args = get_args_parser().parse_args(list(argv))
+def parse_args(argv: Sequence[str], elastic: ElasticConfig | None = None) -> LaunchRequest:
+    """Parse a torchrun-style command line (with our flags) into a launch request; ``elastic`` gives the defaults."""
+    return request_from_args(get_args_parser(elastic).parse_args(list(argv)), elastic)
+
+
+def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = None) -> LaunchRequest:
+    """A launch request from parsed flags (``elastic``: the config whose values are their defaults)."""
     # torchrun's run() rewrites these before building the config; do the same so the flags mean the same.
     if args.standalone:
         args.rdzv_backend = "c10d"
@@ -114,9 +148,13 @@ def parse_args(argv: Sequence[str]) -> LaunchRequest:
     if args.master_port is None:
         args.master_port = 29500
     config, entrypoint, cmd_args = config_from_args(args)
+    if elastic is not None:
+        config.rdzv_configs = {**rdzv_configs(elastic), **config.rdzv_configs}
+    user_code = not (args.module and args.training_script == RECIPE_MODULE)
+    prewarm = list(dict.fromkeys([*(SCRIPT_PREWARM if user_code else ()), *args.prewarm]))
     return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health_from_args(args),
                          event_log=args.event_log, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                         warm_spares=args.warm_spares)
+                         warm_spares=args.warm_spares, prewarm=prewarm)
 
 
 def launch(
@@ -219,7 +257,14 @@ def run(argv: Sequence[str]) -> dict[int, Any]:
     request = parse_args(argv)
     listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
     return launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
-                  warm_spares=request.warm_spares)
+                  warm_spares=request.warm_spares, warm_pool=warm_pool(request))
+
+
+def warm_pool(request: LaunchRequest) -> WarmPool | None:
+    """An empty pool for the request's worker command with its pre-imports (the agent sizes and fills it)."""
+    if not isinstance(request.entrypoint, str):
+        return None
+    return WarmPool(request.entrypoint, request.args, 0, request.prewarm)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

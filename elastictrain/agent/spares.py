@@ -15,7 +15,6 @@ no GPU memory (CUDA is first touched after the assignment).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -24,16 +23,84 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from elastictrain.runtime.warmstart import ENV_WARM_DIR, MODULE, parse_command, rank_file, ready_file
+from elastictrain.runtime.warmstart import ENV_PREWARM, ENV_WARM_DIR, MODULE, parse_command, rank_file, ready_file
 
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 2.0
 
 RECIPE_MODULE = "elastictrain.recipes.lm"
-"""The worker module `elastictrain run` starts."""
+"""The worker module `elastictrain run --config job.yaml` starts when no script is given."""
+
+SCRIPT_PREWARM = ("torch", "torch.distributed")
+"""What the spares of a user's script (or module) import ahead, besides `--prewarm`."""
+
+FLAGS_WITHOUT_VALUE = frozenset({
+    "-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+    "--virtual-local-rank", "--virtual_local_rank", "--no-warm-spares", "--expect-heartbeats",
+    "--no-expect-heartbeats"})
+"""`elastictrain run`'s flags (torchrun's and ours) that take no value: where the script starts, without torch."""
+
+
+@dataclass
+class RunArgs:
+    """``elastictrain run`` argv split torch-free: our config sources, launcher flags, and the worker's target."""
+
+    config: Optional[str] = None
+    overrides: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    """torchrun's and our launcher flags, in order, `-m` taken out."""
+    module: bool = False
+    target: Optional[str] = None
+    """The user's script (or module with `-m`); None: the recipe, trained from `--config`."""
+    target_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def split(cls, argv: Sequence[str]) -> "RunArgs":
+        """Split at the first positional argument: everything after it belongs to the script, like torchrun."""
+        run, argv, i = cls(), [str(a) for a in argv], 0
+        while i < len(argv) and argv[i].startswith("-"):
+            name, has_value = argv[i].split("=", 1)[0], "=" in argv[i]
+            value = argv[i].split("=", 1)[1] if has_value else (argv[i + 1] if i + 1 < len(argv) else None)
+            step = 1 if has_value or name in FLAGS_WITHOUT_VALUE else 2
+            if name == "--config":
+                run.config = value
+            elif name == "--set":
+                run.overrides.append(str(value))
+            elif name in ("-m", "--module"):
+                run.module = True
+            else:
+                run.flags += argv[i:i + step]
+            i += step
+        if i < len(argv):
+            run.target, run.target_args = argv[i], argv[i + 1:]
+        return run
+
+    def flag(self, *names: str) -> Optional[str]:
+        """The last value given to a launcher flag (``--x v`` or ``--x=v``), None when absent."""
+        found = None
+        for i, a in enumerate(self.flags):
+            name, _, value = a.partition("=")
+            if name in names:
+                found = value if "=" in a else (self.flags[i + 1] if i + 1 < len(self.flags) else None)
+        return found
+
+    def worker_args(self) -> list[str]:
+        """The interpreter arguments of a worker, as torchrun builds them (`-u`, then the target)."""
+        if self.target is None:
+            sets = [x for o in self.overrides for x in ("--set", o)]
+            return ["-u", "-m", RECIPE_MODULE, "--config", str(self.config), *sets]
+        return ["-u", *(["-m"] if self.module else []), self.target, *self.target_args]
+
+    def prewarm(self, extra: Sequence[str]) -> list[str]:
+        """Modules a spare imports before it waits: `--prewarm`'s, and torch's for a user's script or module."""
+        own = self.flag("--prewarm")
+        listed = [m.strip() for m in (own.split(",") if own is not None else extra) if m.strip()]
+        base = [] if self.target is None else list(SCRIPT_PREWARM)
+        return list(dict.fromkeys([*base, *listed]))
 
 
 class Spare:
@@ -80,8 +147,9 @@ class SpareHandler:
 class WarmPool:
     """Up to `size` idle spares for one worker command (entrypoint + args)."""
 
-    def __init__(self, entrypoint: str, args: Sequence[str], size: int):
+    def __init__(self, entrypoint: str, args: Sequence[str], size: int, prewarm: Sequence[str] = ()):
         self.entrypoint, self.args, self.size = entrypoint, [str(a) for a in args], size
+        self.prewarm = list(prewarm)
         self.dir = tempfile.mkdtemp(prefix="elastictrain-warm-")
         self._spares: list[Spare] = []
         self.served = 0
@@ -92,7 +160,7 @@ class WarmPool:
         self._spares = [s for s in self._spares if s.alive()]
         while len(self._spares) > self.size:
             self._spares.pop().dismiss()
-        env = {**os.environ, ENV_WARM_DIR: self.dir}
+        env = {**os.environ, ENV_WARM_DIR: self.dir, ENV_PREWARM: ",".join(self.prewarm)}
         started = 0
         while len(self._spares) < self.size:
             try:
@@ -180,28 +248,23 @@ def start_early(run_argv: Sequence[str]) -> Optional[WarmPool]:
     Importing torch and the agent takes seconds; the spares' own imports then run alongside instead of after.
     None when the command line or config turns spares off or cannot be read (the run itself then reports why).
     """
-    from elastictrain.config import load_config
+    from elastictrain.config import load_config, load_elastic
     from elastictrain.errors import ElastictrainError
 
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--nproc-per-node", "--nproc_per_node")
-    p.add_argument("--no-warm-spares", action="store_true")
+    run = RunArgs.split(run_argv)
+    if {"--no-warm-spares", "-h", "--help"} & set(run.flags) or (run.target is None and not run.config):
+        return None
     try:
-        args, _ = p.parse_known_args(list(run_argv))
-        if not args.config or args.no_warm_spares:
-            return None
-        cfg = load_config(args.config, args.overrides)
-    except (SystemExit, ElastictrainError, OSError):
+        if run.target is None:
+            elastic = load_config(run.config, run.overrides).elastic
+        else:
+            elastic = load_elastic(run.config, run.overrides)
+    except (ElastictrainError, OSError):
         return None
-    if not cfg.elastic.warm_spares:
+    if not elastic.warm_spares:
         return None
-    nproc = args.nproc_per_node
-    size = int(nproc) if nproc and nproc.isdigit() else cfg.elastic.nproc_per_node
-    worker = ["-u", "-m", RECIPE_MODULE, "--config", args.config]
-    for o in args.overrides:
-        worker += ["--set", o]
-    pool = WarmPool(os.getenv("PYTHON_EXEC", sys.executable), worker, size)
+    nproc = run.flag("--nproc-per-node", "--nproc_per_node")
+    size = int(nproc) if nproc and nproc.isdigit() else elastic.nproc_per_node
+    pool = WarmPool(os.getenv("PYTHON_EXEC", sys.executable), run.worker_args(), size, run.prewarm(elastic.prewarm))
     pool.fill()
     return pool

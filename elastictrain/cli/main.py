@@ -34,17 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spares = None
-    if argv[:1] == ["run"] and not {"-h", "--help"} & set(argv):
+    if argv[:1] == ["run"]:
         from elastictrain.agent.spares import start_early
 
         spares = start_early(argv[1:])  # they import alongside ours; the agent adopts them
-    parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if args.command == "run":
+        if argv[:1] == ["run"]:
+            # Not argparse's: everything after the script is the script's own (its --config, its --set).
             from elastictrain.agent.job import main_run
 
-            return main_run(args, extra, spares)
+            return main_run(argv[1:], spares)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)

@@ -5,10 +5,12 @@ not the rendezvous. The agent keeps one spare per local rank, started as
 
     python [flags] -m elastictrain.runtime.warmstart [flags] -m <module> <args...>
 
-with the worker's own command after ``warmstart``. The spare imports ``<module>`` (and calls its ``prewarm(argv)``
-when it has one), then blocks on one JSON line on stdin: ``{"env": {...}, "args": [...], "stdout": path|null,
-"stderr": path|null}``. It then takes that environment and those streams and runs the module as ``__main__``,
-exactly like ``python -m <module> <args...>`` would. End of input before an assignment means the pool closed: exit 0.
+with the worker's own command after ``warmstart``. The spare imports the modules listed in ``$ELASTICTRAIN_PREWARM``
+(comma-separated: torch for a user's script, and `--prewarm`'s), then ``<module>`` (and calls its ``prewarm(argv)``
+when it has one; a script is not run ahead: it may train at import), then blocks on one JSON line on stdin:
+``{"env": {...}, "args": [...], "stdout": path|null, "stderr": path|null}``. It then takes that environment and
+those streams and runs the module (or script) as ``__main__``, exactly like ``python -m <module> <args...>``
+would. End of input before an assignment means the pool closed: exit 0.
 
 The spare is the agent's child from the start, so exit codes, signals, process groups and PDEATHSIG work as for a
 worker started cold. ``/proc/<pid>/environ`` keeps the spare's start-up environment, so the agent writes the
@@ -32,6 +34,7 @@ from elastictrain.runtime.heartbeat import die_with_parent
 log = logging.getLogger(__name__)
 
 ENV_WARM_DIR = "ELASTICTRAIN_WARM_DIR"
+ENV_PREWARM = "ELASTICTRAIN_PREWARM"
 MODULE = "elastictrain.runtime.warmstart"
 
 
@@ -105,7 +108,12 @@ def assigned_rank(pid: int, environ: Mapping[str, str]) -> Optional[int]:
         return None  # an idle spare
 
 
-def _prewarm(target: Target) -> None:
+def _prewarm(target: Target, modules: Sequence[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 - a module the script needs fails in its own run, not here
+            log.warning("pre-warming: cannot import %s (%s)", name, e)
     if target.module is None:
         return
     try:
@@ -144,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parent = os.getppid()
     die_with_parent(parent)
     target = parse_command(sys.argv[1:] if argv is None else argv)
-    _prewarm(target)
+    _prewarm(target, [m for m in os.environ.get(ENV_PREWARM, "").split(",") if m])
     warm_dir = os.environ.get(ENV_WARM_DIR)
     if warm_dir:
         open(ready_file(warm_dir, os.getpid()), "w").close()

@@ -85,3 +85,25 @@ def test_the_storage_wait_defaults_below_the_collective_timeout(tmp_path):
     assert load_config(write(tmp_path, ""), []).checkpoint.storage_wait_s == 300
     short = load_config(write(tmp_path, ""), ["train.collective_timeout_s=120"])
     assert short.checkpoint.storage_wait_s == 60
+
+
+def test_the_hang_settings_are_a_yaml_section_and_the_old_floor_name_still_reads_with_a_warning(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("elastic:\n  hang:\n    floor_s: 4\n    startup_timeout_s: 9\n")
+    hang = load_config(cfg).elastic.hang
+    assert (hang.floor_s, hang.startup_timeout_s, hang.expect_heartbeats) == (4, 9, None)
+    cfg.write_text("elastic:\n  heartbeat_timeout_s: 7\n")
+    with pytest.warns(FutureWarning, match="elastic.hang.floor_s"):
+        elastic = load_config(cfg).elastic
+    assert elastic.hang.floor_s == 7 and elastic.heartbeat_timeout_s is None
+
+
+def test_a_script_reads_only_the_elastic_section(tmp_path):
+    from elastictrain.config import load_elastic
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("elastic:\n  nproc_per_node: 3\nmy_script_section: {anything: 1}\n")
+    assert load_elastic(cfg, ["elastic.max_restarts=9"]).nproc_per_node == 3
+    assert load_elastic(cfg, ["elastic.max_restarts=9"]).max_restarts == 9
+    with pytest.raises(ConfigError, match="elastic.hang.floor_s must be >= 0"):
+        load_elastic(cfg, ["elastic.hang.floor_s=-1"])

@@ -37,6 +37,19 @@ def test_worker_that_never_beats_is_hung_after_startup_allowance():
     assert "no heartbeat" in h.describe() and "startup allowance" in h.rule
 
 
+
+def test_a_worker_not_expected_to_beat_is_never_hung_for_silence_until_one_has_beaten():
+    """A user's script that does not use our worker API never beats: only its exit may fail it."""
+    from dataclasses import replace
+
+    m = monitor(replace(CFG, expect_beats=False), pids={0: 100, 1: 101})
+    assert m.check(1e6) == []
+    beat(m, 5.0, 1, rank=1, pid=101)  # it does beat after all: the startup rule holds for its peers
+    assert [h.local_rank for h in m.check(10.1)] == [0]
+    m.reset({0: 200}, now=20.0)  # and for the next groups on this node
+    [h] = m.check(30.1)
+    assert h.phase is None and h.pid == 200
+
 def test_calibrated_timeout_is_multiple_of_p95_step_time_with_floor():
     m = monitor()
     last = train(m, 1.0, range(20), step_s=1.0)

@@ -16,7 +16,7 @@ def test_torchrun_flags_carry_over():
     assert req.entrypoint == sys.executable
     assert req.args == ["-u", "train.py", "--lr", "1"]
     assert c.monitor_interval == DEFAULT_MONITOR_INTERVAL_S
-    assert req.health == HealthConfig()
+    assert req.health == HealthConfig(expect_beats=False)  # a user script may not use our heartbeats
     assert req.event_log is None
 
 

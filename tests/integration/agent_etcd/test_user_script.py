@@ -1,0 +1,160 @@
+"""`elastictrain run` with a user's own plain PyTorch script (no elastictrain import): the agent's behaviour for it.
+
+Before: `elastictrain run` refused any script ("takes torchrun flags but no script") and always ran the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.status import read_events
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.exitcodes import EXIT_FATAL
+from tests.integration.recipe_runs import REPO, worker_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPT = textwrap.dedent('''
+    """A few steps of a Linear model with gloo all_reduce, as anyone would write it for torchrun."""
+    import argparse
+    import json
+    import os
+    import signal
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+
+    def main():
+        p = argparse.ArgumentParser()
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--out", required=True)
+        p.add_argument("--sleep", type=float, default=0.0)
+        p.add_argument("--die", choices=["no", "kill", "exit2"], default="no")
+        a = p.parse_args()
+        time.sleep(a.sleep)  # silent start-up: no heartbeat, ever
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(a.steps):
+            model(torch.ones(2, 4)).sum().backward()
+            for q in model.parameters():
+                dist.all_reduce(q.grad)
+            opt.step()
+            opt.zero_grad()
+            marker = os.path.join(a.out, "died")
+            if rank == 0 and step == 1 and a.die != "no" and not os.path.exists(marker):
+                open(marker, "w").close()
+                if a.die == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                sys.exit(2)
+        with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "world_size": world, "weight": model.weight.sum().item(),
+                       "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}, f)
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        main()
+''')
+
+
+def _script(tmp: Path) -> Path:
+    path = tmp / "plain_train.py"
+    path.write_text(SCRIPT)
+    (tmp / "out").mkdir()
+    return path
+
+
+def _run(tmp: Path, argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp)])}
+    return subprocess.run([sys.executable, "-m", "elastictrain.cli.main", "run", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _results(tmp: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((tmp / "out").glob("rank*.json"))]
+
+
+def _etcd_state(endpoint: str, run_id: str):
+    settings = EtcdSettings.from_conf(endpoint, run_id, {})
+    client = EtcdClient(settings)
+    client.connect()
+    try:
+        return RestartBudget(client, settings.run_prefix).used(), read_events(client, settings.run_prefix)
+    finally:
+        client.close()
+
+
+def test_a_plain_pytorch_script_runs_on_an_embedded_etcd_and_is_not_hung_for_sending_no_heartbeat(tmp_path):
+    script = _script(tmp_path)
+    # A startup allowance shorter than the script's silent start: it sends no heartbeat and must not be judged.
+    out = _run(tmp_path, ["--nproc-per-node", "2", "--heartbeat-startup-timeout", "1", str(script), "--steps", "3",
+                          "--out", str(tmp_path / "out"), "--sleep", "2"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert "embedded etcd" in out.stderr
+    results = _results(tmp_path)
+    assert [(r["rank"], r["world_size"], r["restart"]) for r in results] == [(0, 2, 0), (1, 2, 0)]
+    assert results[0]["weight"] == results[1]["weight"]
+
+
+def test_a_module_runs_as_a_two_node_job_with_an_elastic_only_config_and_flags_winning(tmp_path, etcd, run_id):
+    _script(tmp_path)
+    cfg = tmp_path / "agent.yaml"  # the agent's settings only: the module owns its training config
+    cfg.write_text(f"elastic:\n  min_nodes: 2\n  max_nodes: 2\n  nproc_per_node: 3\n  run_id: {run_id}\n"
+                   f"  rdzv_endpoint: {etcd.endpoint}\n  join_grace_s: 2\n")
+    argv = ["--config", str(cfg), "--nproc-per-node", "1", "-m", "plain_train", "--steps", "3",
+            "--out", str(tmp_path / "out")]
+    env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", *argv]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    try:
+        logs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(logs)[-8000:]
+    # --nproc-per-node 1 won over the config's 3: two nodes of one worker each.
+    assert [(r["rank"], r["world_size"]) for r in _results(tmp_path)] == [(0, 2), (1, 2)]
+    used, events = _etcd_state(etcd.endpoint, run_id)
+    assert used == 0 and sum(e.kind == "succeeded" for e in events) == 2
+
+
+def test_a_killed_worker_restarts_the_script_and_the_restart_is_charged_in_etcd(tmp_path, etcd, run_id):
+    script = _script(tmp_path)
+    out = _run(tmp_path, ["--nproc-per-node", "2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+                          str(script), "--steps", "4", "--out", str(tmp_path / "out"), "--die", "kill"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert (tmp_path / "out" / "died").exists()
+    assert [(r["rank"], r["world_size"], r["restart"]) for r in _results(tmp_path)] == [(0, 2, 1), (1, 2, 1)]
+    used, events = _etcd_state(etcd.endpoint, run_id)
+    assert used == 1, [(e.kind, e.fields.get("cause")) for e in events]
+    failure = next(e for e in events if e.kind == "failure")
+    assert "SIGKILL" in json.dumps(failure.fields), failure.fields
+
+
+def test_a_script_exiting_2_ends_the_job_at_once_without_a_restart(tmp_path, etcd, run_id):
+    script = _script(tmp_path)
+    out = _run(tmp_path, ["--nproc-per-node", "2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+                          "--max-restarts", "3", str(script), "--steps", "4", "--out", str(tmp_path / "out"),
+                          "--die", "exit2"], cwd=tmp_path)
+    assert out.returncode == EXIT_FATAL, out.stderr[-6000:]
+    assert "restarting cannot fix" in out.stderr, out.stderr[-6000:]
+    assert _results(tmp_path) == []
+    used, events = _etcd_state(etcd.endpoint, run_id)
+    assert used == 0 and any(e.kind == "fatal" for e in events), [(e.kind, e.fields) for e in events]
