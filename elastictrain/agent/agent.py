@@ -57,6 +57,9 @@ SPARE_WARMUP_WAIT_S = 120.0
 MONITOR_STALL_S = 2.0
 """A monitor loop held up longer than this restarts the hang timers instead of judging silence it caused."""
 
+SILENT_STARTUP_S = 10.0
+"""Workers that send no heartbeats count as past their start-up (imports, process group) after this long."""
+
 MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
@@ -386,9 +389,7 @@ class ElasticAgent(LocalElasticAgent):
         self._emit("fatal", cause=cause)
 
     def _group_training(self) -> bool:
-        """Every local worker has reported a training step: the group's start-up is over."""
-        workers = self._health.workers.values()
-        return bool(workers) and all(w.step is not None and w.phase in ("train", "save") for w in workers)
+        return self._health.started_up(self._clock(), SILENT_STARTUP_S)
 
     def _hang_result(self, worker_group: WorkerGroup, hangs: list[Hang]) -> RunResult:
         states = {h.pid: _process_state(h.pid) for h in hangs}
@@ -453,8 +454,6 @@ class ElasticAgent(LocalElasticAgent):
             "restart_count": wg.spec.max_restarts - self._remaining_restarts,
         }
         base.update(fields)
-        if kind == "checkpoint_saved" and self._budget is not None and isinstance(fields.get("step"), int):
-            self._budget.note_committed(fields["step"])  # what the restart policy calls progress
         for listener in self._listeners:
             try:
                 listener.on_event(kind, base)

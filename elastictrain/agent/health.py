@@ -157,6 +157,18 @@ class HealthMonitor:
             w.last_progress = now
         return True
 
+    def started_up(self, now: float, silent_startup_s: float) -> bool:
+        """Every worker reported a training step: the group's start-up is over.
+
+        Workers that send no heartbeats (a user script without our API) never report one: theirs is taken as over
+        `silent_startup_s` after they started.
+        """
+        if not self.workers:
+            return False
+        if not (self.config.expect_beats or self.beats_seen):
+            return all(now - w.started > silent_startup_s for w in self.workers.values())
+        return all(w.step is not None and w.phase in ("train", "save") for w in self.workers.values())
+
     def step_time(self) -> float | None:
         """The calibrating quantile of observed step times, or None until enough steps were seen."""
         if len(self._step_times) < self.config.calibration_min_steps:

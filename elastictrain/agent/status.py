@@ -11,7 +11,10 @@ Keys, all under the run's prefix (`/elastictrain/<run_id>`):
     fatal                   FatalRecord: the worker error that ended the job without a restart.
     committed               the newest committed checkpoint step agents heard of (restart progress).
 
-Publishing never blocks or fails training: etcd errors are logged and the next beat tries again.
+Publishing never blocks or fails training: `on_event` only queues (it runs on the agent's monitor thread, which
+must keep watching workers while etcd is slow or cut off: a partitioned node's agent stalled 9.5 s in etcd writes
+of checkpoint events and missed its own workers' failure); the publisher's thread writes events in order and the
+node status, logs etcd errors and tries again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATUS_INTERVAL_S = 2.0
 """How often each agent rewrites its node status."""
+MAX_QUEUED_EVENTS = 10_000
+"""Events kept while etcd cannot be written (a long outage); beyond, the oldest are dropped."""
 
 # event kind -> the node state it leaves behind
 _STATE_AFTER = {"join": "running", "failure": "recovering", "hang": "recovering", "restart": "rendezvous",
@@ -129,6 +135,9 @@ class EtcdStatusPublisher:
         self._agent: Optional["ElasticAgent"] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._events: deque[tuple[str, Event]] = deque(maxlen=MAX_QUEUED_EVENTS)
+        """(etcd key, event), oldest first; the key is taken when the event happens, so keys sort by time."""
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -142,25 +151,43 @@ class EtcdStatusPublisher:
         self._thread.start()
 
     def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        """Queue the event and update this node's state; the publisher's thread (or `flush`) writes both."""
         now = time.time()
         ev = Event(time=now, node=self.node, kind=kind, fields={k: v for k, v in fields.items() if k != "time"})
-        try:
-            self.client.put(f"{self.prefix}/events/{time.time_ns():020d}-{self.node}",
-                            json.dumps(asdict(ev), default=str).encode())
-        except Exception as e:  # etcd down: the event is lost, training goes on
-            log.warning("could not record %s event in etcd: %s", kind, e)
         with self._lock:
+            if len(self._events) == self._events.maxlen:
+                log.warning("etcd event queue full (%d): dropping the oldest event", len(self._events))
+            self._events.append((f"{self.prefix}/events/{time.time_ns():020d}-{self.node}", ev))
             state = _STATE_AFTER.get(kind, self.status.state)
             if kind == "leave" and self.status.state in ("succeeded", "failed"):
                 state = self.status.state  # how it ended matters more than that it left
             if state != self.status.state:
                 self.status.state_since = now
             self.status.state = state
-            self.status.last_event = kind
+            if not kind.startswith("checkpoint_"):  # a worker's checkpoint report is news, not what the node did
+                self.status.last_event = kind
             if "group_rank" in fields:
                 self.status.group_rank = fields["group_rank"]
             if "world_size" in fields:
                 self.status.world_size = fields["world_size"]
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Write the queued events, then the node status (on the caller's thread)."""
+        while True:
+            with self._lock:
+                if not self._events:
+                    break
+                key, ev = self._events[0]
+            try:
+                self.client.put(key, json.dumps(asdict(ev), default=str).encode())
+            except Exception as e:  # etcd down: keep it for the next round
+                log.warning("could not record %s event in etcd (will retry): %s", ev.kind, e)
+                break
+            with self._lock:
+                self._events.popleft()
+            if ev.kind == "checkpoint_saved" and self.budget is not None and isinstance(ev.fields.get("step"), int):
+                self.budget.note_committed(ev.fields["step"])  # what the restart policy calls progress
         self.publish()
 
     def publish(self) -> None:
@@ -190,14 +217,17 @@ class EtcdStatusPublisher:
             return NodeStatus.from_json(json.dumps(asdict(self.status), default=str).encode())
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.publish()
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self.flush()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.publish()
+        self.flush()
 
 
 def read_nodes(client: EtcdClient, run_prefix: str) -> list[NodeStatus]:

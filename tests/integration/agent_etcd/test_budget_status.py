@@ -68,6 +68,8 @@ def test_status_and_events_are_published_and_readable(client):
     pub = EtcdStatusPublisher(c, prefix, "node-a", max_restarts=3)
     pub.on_event("join", {"group_rank": 0, "world_size": 2})
     pub.on_event("failure", {"cause": "rank 1 exited with -9"})
+    assert read_events(c, prefix) == [], "on_event only queues: the agent's monitor thread never waits for etcd"
+    pub.flush()
     nodes = read_nodes(c, prefix)
     assert [n.node for n in nodes] == ["node-a"]
     assert nodes[0].state == "recovering" and nodes[0].world_size == 2 and nodes[0].max_restarts == 3

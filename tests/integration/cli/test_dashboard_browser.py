@@ -33,7 +33,9 @@ def dashboard(etcd, run_id):
         pub = EtcdStatusPublisher(client, settings.run_prefix, name, max_restarts=3)
         pub.status.step = step
         pub.on_event("join", {"group_rank": rank, "world_size": 2})
+        pub.flush()
     pub.on_event("failure", {"cause": "rank 1: Signal 9 (SIGKILL)"})
+    pub.flush()
     sampler = Sampler(JobConnection(client, settings), interval_s=0.2).start()
     server = make_server(sampler, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

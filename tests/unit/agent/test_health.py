@@ -184,3 +184,19 @@ def test_a_held_up_watcher_restarts_the_silence_clock_instead_of_blaming_the_wor
     m.rebase(late)
     assert m.check(late) == []
     assert m.check(late + timeout + 0.1), "a worker that stays silent is still caught one timeout later"
+
+
+def test_a_group_that_sends_no_heartbeats_counts_as_started_after_the_silent_allowance():
+    """The agent refills its spares once a group is started; a plain script never reports a step (before: its
+    restarts all started cold)."""
+    m = monitor(HealthConfig(expect_beats=False))
+    assert not m.started_up(5.0, silent_startup_s=10.0)
+    assert m.started_up(10.5, silent_startup_s=10.0)
+
+
+def test_a_group_that_beats_counts_as_started_at_its_first_training_step():
+    m = monitor()
+    assert not m.started_up(100.0, silent_startup_s=10.0), "silence is not start-up for workers that beat"
+    beat(m, 1.0, 0, "load")
+    beat(m, 2.0, 1)
+    assert m.started_up(2.0, silent_startup_s=10.0)
