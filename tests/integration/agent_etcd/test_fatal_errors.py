@@ -13,25 +13,12 @@ import uuid
 
 import pytest
 
-from elastictrain.agent.budget import RestartBudget
-from elastictrain.agent.status import read_events
-from elastictrain.rendezvous.client import EtcdClient
-from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from tests.chaos.cluster import Job
+from tests.integration.agent_etcd.job_records import restarts_and_events
 from tests.integration.recipe_runs import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _read(job: Job):
-    settings = EtcdSettings.from_conf(job.endpoint, job.run_id, {})
-    client = EtcdClient(settings)
-    client.connect()
-    try:
-        return RestartBudget(client, settings.run_prefix).used(), read_events(client, settings.run_prefix)
-    finally:
-        client.close()
 
 
 def _status(job: Job) -> dict:
@@ -48,7 +35,7 @@ def assert_ended_at_once(job: Job, cause: str) -> None:
     assert codes == [EXIT_FATAL, EXIT_FATAL], f"both nodes end with EXIT_FATAL\n{job.logs()}"
     for node in nodes:
         assert cause in node.log() and "restarting cannot fix" in node.log(), f"{node.name}\n{job.logs()}"
-    used, events = _read(job)
+    used, events = restarts_and_events(job.endpoint, job.run_id)
     assert used == 0, f"no restart may be charged for an error a restart cannot fix\n{job.logs()}"
     joins = [e for e in events if e.kind == "join"]
     assert len(joins) == 2, f"one attempt: each node joined once, got {[(e.node, e.kind) for e in events]}"

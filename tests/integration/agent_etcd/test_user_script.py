@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.agent.budget import RestartBudget
-from elastictrain.agent.status import read_events
-from elastictrain.rendezvous.client import EtcdClient
-from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
+from tests.integration.agent_etcd.job_records import restarts_and_events
 from tests.integration.recipe_runs import REPO, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -89,14 +86,6 @@ def _results(tmp: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((tmp / "out").glob("rank*.json"))]
 
 
-def _etcd_state(endpoint: str, run_id: str):
-    settings = EtcdSettings.from_conf(endpoint, run_id, {})
-    client = EtcdClient(settings)
-    client.connect()
-    try:
-        return RestartBudget(client, settings.run_prefix).used(), read_events(client, settings.run_prefix)
-    finally:
-        client.close()
 
 
 def test_a_plain_pytorch_script_runs_on_an_embedded_etcd_and_is_not_hung_for_sending_no_heartbeat(tmp_path):
@@ -131,7 +120,7 @@ def test_a_module_runs_as_a_two_node_job_with_an_elastic_only_config_and_flags_w
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(logs)[-8000:]
     # --nproc-per-node 1 won over the config's 3: two nodes of one worker each.
     assert [(r["rank"], r["world_size"]) for r in _results(tmp_path)] == [(0, 2), (1, 2)]
-    used, events = _etcd_state(etcd.endpoint, run_id)
+    used, events = restarts_and_events(etcd.endpoint, run_id)
     assert used == 0 and sum(e.kind == "succeeded" for e in events) == 2
 
 
@@ -142,7 +131,7 @@ def test_a_killed_worker_restarts_the_script_and_the_restart_is_charged_in_etcd(
     assert out.returncode == 0, out.stderr[-6000:]
     assert (tmp_path / "out" / "died").exists()
     assert [(r["rank"], r["world_size"], r["restart"]) for r in _results(tmp_path)] == [(0, 2, 1), (1, 2, 1)]
-    used, events = _etcd_state(etcd.endpoint, run_id)
+    used, events = restarts_and_events(etcd.endpoint, run_id)
     assert used == 1, [(e.kind, e.fields.get("cause")) for e in events]
     failure = next(e for e in events if e.kind == "failure")
     assert "SIGKILL" in json.dumps(failure.fields), failure.fields
@@ -156,5 +145,5 @@ def test_a_script_exiting_2_ends_the_job_at_once_without_a_restart(tmp_path, etc
     assert out.returncode == EXIT_FATAL, out.stderr[-6000:]
     assert "restarting cannot fix" in out.stderr, out.stderr[-6000:]
     assert _results(tmp_path) == []
-    used, events = _etcd_state(etcd.endpoint, run_id)
+    used, events = restarts_and_events(etcd.endpoint, run_id)
     assert used == 0 and any(e.kind == "fatal" for e in events), [(e.kind, e.fields) for e in events]
