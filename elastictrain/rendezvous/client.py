@@ -124,6 +124,8 @@ class EtcdClient:
         self.settings = settings
         self._lock = threading.Lock()
         self._client: MultiEndpointEtcd3Client | None = None
+        self._periodic: dict[float, MultiEndpointEtcd3Client] = {}
+        """Clients whose RPC deadline is a `tolerance` block's seconds (see `tolerance`), by those seconds."""
         self._local = threading.local()
         self._lease_lock = threading.Lock()
         self._request_lease_id: int | None = None
@@ -152,17 +154,23 @@ class EtcdClient:
         return client
 
     def _raw(self) -> MultiEndpointEtcd3Client:
+        periodic = getattr(self._local, "tolerance", None)
         with self._lock:
+            if periodic is not None and periodic < self.settings.request_timeout:
+                if periodic not in self._periodic:
+                    self._periodic[periodic] = self._build(periodic)
+                return self._periodic[periodic]
             if self._client is None:
                 self._client = self._build(self.settings.request_timeout)
             return self._client
 
     def _reset(self) -> None:
         with self._lock:
-            old, self._client = self._client, None
-        if old is not None:
+            old = [c for c in (self._client, *self._periodic.values()) if c is not None]
+            self._client, self._periodic = None, {}
+        for client in old:
             try:
-                old.close()
+                client.close()
             except Exception:  # noqa: BLE001 - closing a broken channel may fail; nothing to do
                 logger.debug("closing etcd client failed", exc_info=True)
 
@@ -229,7 +237,9 @@ class EtcdClient:
         """Within the block, this thread's calls give up after `seconds` instead of `outage_tolerance`.
 
         For periodic callers (the agent's monitor loop, heartbeats) that must not block for a long
-        outage: they skip a beat and try again next time.
+        outage: they skip a beat and try again next time. One RPC then also waits at most `seconds`
+        (not `request_timeout`): on a host cut off from etcd every RPC runs to its deadline, and 5 s
+        ones held the agent's monitor loop up long enough to miss its own workers' hang.
         """
         previous = getattr(self._local, "tolerance", None)
         self._local.tolerance = seconds

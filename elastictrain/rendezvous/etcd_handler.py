@@ -52,8 +52,11 @@ from elastictrain.rendezvous.store import EtcdStore
 
 logger = logging.getLogger(__name__)
 
-# How long one periodic call (monitor loop, heartbeat) may retry before skipping a beat.
-_PERIODIC_TOLERANCE_S = 2.0
+# How long one periodic call (monitor loop, heartbeat) may retry before skipping a beat. Both run on (or hold the
+# lock of) the agent's monitor loop, and a loop held up longer than the agent's MONITOR_STALL_S (2 s) restarts its
+# hang timers: at 2 s each, a node cut off from etcd and its peers stalled 4-5 s a tick and never declared its
+# stuck workers hung (netns chaos, partition).
+_PERIODIC_TOLERANCE_S = 0.5
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
