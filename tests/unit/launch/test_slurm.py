@@ -38,7 +38,7 @@ def slurm(tmp_path: Path):
 
 
 def _submit(slurm: FakeSlurm, tmp_path: Path, tasks: int) -> None:
-    env = {**os.environ, "FAKE_SLURM_DIR": str(tmp_path), "ETCD": "10.0.0.1:2379", "SLURM_GPUS_PER_NODE": "4"}
+    env = {**os.environ, "FAKE_SLURM_DIR": str(tmp_path), "ETCD": "127.0.0.1:2379", "SLURM_GPUS_PER_NODE": "4"}
     slurm.submit(SCRIPT, ["configs/gpu.yaml", "--set", "train.steps=9"], env, tasks=tasks)
     for i in range(tasks):
         wait_until(lambda i=i: (tmp_path / f"agent-{i}.ready").exists(), 30, f"agent {i} to start\n{slurm.output()}")
@@ -64,5 +64,5 @@ def test_agents_get_the_run_id_node_range_gpus_and_extra_arguments(slurm, tmp_pa
     _submit(slurm, tmp_path, tasks=1)
     assert (tmp_path / "agent-0.args").read_text().split() == [
         "run", "--config", "configs/gpu.yaml", "--nnodes", "1:1", "--nproc-per-node", "4",
-        "--rdzv-endpoint", "10.0.0.1:2379", "--rdzv-id", "slurm-4242", "--shutdown-timeout", "90",
+        "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "slurm-4242", "--shutdown-timeout", "90",
         "--set", "train.steps=9"]
