@@ -439,6 +439,19 @@ def validate(cfg: JobConfig) -> None:
     if d.source == "synthetic" and d.path:
         raise ConfigError("data.path is set but data.source is 'synthetic'; set data.source to 'text' or "
                           "'tokens', or remove data.path")
+    validate_checkpoint(c, t.collective_timeout_s)
+    if t.stop_at < 0:
+        raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
+    if t.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
+    validate_elastic(e)
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
+                          f"holding a transformers config.json, or remove it to use model.name")
+
+
+def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> None:
+    """Check the `checkpoint` section (and fill in `storage_wait_s`); raise ConfigError naming the field."""
     for name, v in {"checkpoint.every_steps": c.every_steps, "checkpoint.every_seconds": c.every_seconds,
                     "checkpoint.keep_every": c.keep_every,
                     "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
@@ -451,21 +464,20 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
                           "set checkpoint.url (a path or s3://bucket/prefix)")
     if c.storage_wait_s is None:
-        c.storage_wait_s = min(DEFAULT_STORAGE_WAIT_S, t.collective_timeout_s / 2)
-    if not 0 <= c.storage_wait_s < t.collective_timeout_s:
+        c.storage_wait_s = min(DEFAULT_STORAGE_WAIT_S, collective_timeout_s / 2)
+    if not 0 <= c.storage_wait_s < collective_timeout_s:
         raise ConfigError(f"checkpoint.storage_wait_s={c.storage_wait_s:g} must be >= 0 and below "
-                          f"train.collective_timeout_s ({t.collective_timeout_s:g}): the other ranks wait for "
+                          f"train.collective_timeout_s ({collective_timeout_s:g}): the other ranks wait for "
                           f"rank 0's storage check in a collective")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
-    if t.stop_at < 0:
-        raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
-    if t.collective_timeout_s <= 0:
-        raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
-    validate_elastic(e)
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
-                          f"holding a transformers config.json, or remove it to use model.name")
+
+
+def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0) -> CheckpointConfig:
+    """A validated CheckpointConfig from plain data (the public API's `Worker.steps(checkpoint=..., **options)`)."""
+    c = _build(CheckpointConfig, data, "checkpoint")
+    validate_checkpoint(c, collective_timeout_s)
+    return c
 
 
 def validate_elastic(e: ElasticConfig) -> None:

@@ -19,7 +19,7 @@ from elastictrain.runtime.determinism import derive_seed
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class CursorSlice:
     """One micro-batch of a step: global sample positions and the dataset indices they map to."""
 
     index: int
@@ -34,7 +34,7 @@ class StepPlan:
     step: int
     rank: int
     world_size: int
-    micro_batches: tuple[Optional[MicroBatch], ...]
+    micro_batches: tuple[Optional[CursorSlice], ...]
 
     @property
     def samples(self) -> list[int]:
@@ -97,10 +97,10 @@ class ElasticCursor:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
         start, m = self.samples_consumed, self.micro_batch_size
-        mine: list[Optional[MicroBatch]] = []
+        mine: list[Optional[CursorSlice]] = []
         for i in range(rank, self.micro_batches_per_step, world_size):
             positions = range(start + i * m, start + (i + 1) * m)
-            mine.append(MicroBatch(i, tuple(positions), tuple(self.order.lookup(positions))))
+            mine.append(CursorSlice(i, tuple(positions), tuple(self.order.lookup(positions))))
         mine.extend([None] * (self.accumulation_steps(world_size) - len(mine)))
         return StepPlan(step=step, rank=rank, world_size=world_size, micro_batches=tuple(mine))
 

@@ -1,22 +1,31 @@
 """The training state as DCP `Stateful` objects: what a checkpoint holds and how it is put back.
 
-Keys: `model` and `optim` (sharded, reshardable, FQN-keyed through torch's state_dict helpers), `scheduler`,
-`trainer` (step, data cursor, world size), and `rng/rank{r}` (this rank's RNG states; absent at another
-world size, where RNG is re-derived from (seed, step, rank) instead).
+`TrainState` (public API) gathers them. Keys: `model` and `optim` (sharded, reshardable, FQN-keyed through
+torch's state_dict helpers), each user extra under its own name (a scheduler, the `ElasticSampler`, any
+`Stateful`), `trainer` (step, world size), and `rng/rank{r}` (this rank's RNG states; absent at another world
+size, where RNG is re-derived from (seed, step, rank) instead).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import hashlib
+import json
+import pickle
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from elastictrain.runtime.determinism import capture_rng_state, restore_rng_state
+from elastictrain.runtime.sampler import ElasticSampler
 
 
 class ModelState(Stateful):
@@ -56,3 +65,114 @@ class CallbackState(Stateful):
 
 def rng_key(rank: int) -> str:
     return f"rng/rank{rank}"
+
+
+RESERVED_KEYS = ("model", "optim", "trainer", "rng")
+
+
+class TrainState:
+    """What a checkpoint of a job holds: model, optimizer, any `Stateful` extras, the step and every RNG.
+
+        state = TrainState(model=model, optim=optimizer, scheduler=scheduler, data=sampler)
+
+    `model` and `optim` go through torch's distributed state-dict helpers (sharded FSDP2/DTensor state,
+    loadable at another world size); each extra (anything with `state_dict()`/`load_state_dict()`) is saved under
+    its keyword. `step` is the number of optimizer steps done; the step loop keeps it.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optim: Optional[torch.optim.Optimizer] = None,
+                 **extras: Any):
+        if optim is not None and model is None:
+            raise TypeError("TrainState(optim=...) needs model=... too: optimizer state is saved by parameter name")
+        for name, value in extras.items():
+            if name in RESERVED_KEYS or "/" in name or "." in name:
+                raise TypeError(f"TrainState: {name!r} is not a usable name for an extra (reserved: "
+                                f"{', '.join(RESERVED_KEYS)}; no '/' or '.'); pick another keyword")
+            if not (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))):
+                raise TypeError(f"TrainState: {name}={type(value).__name__} has no state_dict()/load_state_dict(); "
+                                f"give it those two methods (torch's Stateful protocol) or leave it out")
+        self.model, self.optim, self.extras = model, optim, dict(extras)
+        self.step = 0
+
+    @property
+    def samplers(self) -> list[ElasticSampler]:
+        return [v for v in self.extras.values() if isinstance(v, ElasticSampler)]
+
+    def _progress(self) -> dict[str, Any]:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return {"step": self.step, "world_size": world}
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+    def checkpoint_state(self, rank: int, include_rng: bool = True) -> dict[str, Any]:
+        """The DCP state dict of this rank (Stateful values: read at save time, filled in place at load)."""
+        out: dict[str, Any] = {}
+        if self.model is not None:
+            out["model"] = ModelState(self.model)
+        if self.optim is not None:
+            assert self.model is not None
+            out["optim"] = OptimizerState(self.model, self.optim)
+        out.update(self.extras)
+        out["trainer"] = CallbackState(self._progress, self._load_progress)
+        if include_rng:
+            out[rng_key(rank)] = CallbackState(_rng_state, _load_rng_state)
+        return out
+
+    def digest(self) -> dict[str, str]:
+        """sha256 of the full (unsharded) model parameters and optimizer state; a collective: every rank calls it.
+
+        Equal digests after two runs mean bitwise-equal training state; see `param_digest`, `optim_digest`.
+        """
+        out = {}
+        if self.model is not None:
+            out["model"] = param_digest(self.model)
+        if self.optim is not None:
+            assert self.model is not None
+            out["optim"] = optim_digest(self.model, self.optim)
+        return out
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"blob": pickle.dumps(capture_rng_state())}
+
+
+def _load_rng_state(state: dict[str, Any]) -> None:
+    restore_rng_state(pickle.loads(state["blob"]))
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _hash_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:
+    h.update(name.encode())
+    if isinstance(value, torch.Tensor):
+        h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    else:  # a plain number (e.g. an optimizer's step kept as a float)
+        h.update(repr(value).encode())
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over the full (unsharded) parameters; a collective: every rank must call it."""
+    full = get_model_state_dict(model, options=_FULL)
+    h = hashlib.sha256()
+    for name in sorted(full):
+        _hash_tensor(h, name, full[name])
+    return h.hexdigest()
+
+
+def optim_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """sha256 over the full (unsharded) optimizer state; a collective: every rank must call it.
+
+    Every parameter's state (AdamW: exp_avg, exp_avg_sq, step) by FQN, then the param groups' hyperparameters
+    (lr as the scheduler left it, betas, weight decay), so a resume that restores the parameters but not the
+    optimizer or the LR schedule gives another digest.
+    """
+    full = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    h = hashlib.sha256()
+    state = full.get("state", {})
+    for fqn in sorted(state):
+        for key in sorted(state[fqn]):
+            _hash_tensor(h, f"{fqn}/{key}", state[fqn][key])
+    h.update(json.dumps(full.get("param_groups", []), sort_keys=True).encode())
+    return h.hexdigest()

@@ -21,13 +21,13 @@ import pytest
 
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.status import read_events
-from elastictrain.chaos.in_worker import CHAOS_EXIT_CODE, ENV_CHAOS
 from elastictrain.chaos.process_signals import drain_node, signal_worker
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.audit import committed_timeline
+from elastictrain.runtime.injected_faults import CHAOS_EXIT_CODE, ENV_CHAOS
 from tests.chaos.cluster import STEPS, Job, expected_samples
 from tests.integration.recipe_runs import assert_same_train_state, run_recipe
 

@@ -19,7 +19,6 @@ import time
 import pytest
 
 from elastictrain.agent.status import read_events, read_nodes
-from elastictrain.chaos.in_worker import ENV_CHAOS
 from elastictrain.chaos.injectors import is_gone, wait_gone
 from elastictrain.chaos.process_signals import kill_node
 from elastictrain.chaos.schedule import ScheduledFault
@@ -27,6 +26,7 @@ from elastictrain.checkpoint.manifest import step_dir_name
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.audit import committed_timeline
+from elastictrain.runtime.injected_faults import ENV_CHAOS
 from tests.chaos.cluster import Job, expected_samples
 from tests.integration.recipe_runs import REPO
 

@@ -4,7 +4,8 @@
 Deterministic by step and rank, unlike the chaos runner's faults (:mod:`elastictrain.chaos.schedule`), which
 act on processes, nodes and services from outside the job.
 
-The recipe calls ``maybe_inject(step, rank)`` once per step; with the variable unset it costs one dict lookup.
+The step loop (`runtime.steps`) calls ``maybe_inject(step, rank)`` once per step; with the variable unset it
+costs one dict lookup.
 
 * ``crash@step=N`` makes the worker of global rank R (every rank when omitted) exit abruptly with
   ``CHAOS_EXIT_CODE`` when it is about to run step N, every time it gets there: a crash that restarts cannot fix,

@@ -3,7 +3,7 @@
 import pytest
 
 from elastictrain.agent.agent import _HeartbeatChannel
-from elastictrain.recipes.checkpointing import event_sink
+from elastictrain.runtime.checkpointing import event_sink
 from elastictrain.runtime.heartbeat import Heartbeat
 
 
@@ -26,7 +26,7 @@ def test_rank_0_reports_checkpoint_events_to_the_agent_with_millisecond_duration
 
 def test_other_ranks_only_log_what_rank_0_reports(channel, caplog):
     hb = Heartbeat(channel.addr, rank=1)
-    with caplog.at_level("DEBUG", logger="elastictrain.recipes.checkpointing"):
+    with caplog.at_level("DEBUG", logger="elastictrain.runtime.checkpointing"):
         event_sink(hb, rank=1)("checkpoint_saved", {"step": 10})
     assert channel.drain() == ([], [])
     assert "checkpoint_saved" in caplog.text

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastictrain.chaos.in_worker import (
+from elastictrain.runtime.injected_faults import (
     CHAOS_EXIT_CODE,
     ENV_CHAOS,
     InWorkerFault,
@@ -48,7 +48,7 @@ def test_a_straggler_waits_from_its_step_on_and_only_on_its_rank(monkeypatch):
 
 
 def test_a_crash_exits_with_the_chaos_code_at_its_step_only():
-    code = ("from elastictrain.chaos.in_worker import maybe_inject\n"
+    code = ("from elastictrain.runtime.injected_faults import maybe_inject\n"
             "maybe_inject(3, 0); maybe_inject(4, 1); print('alive', flush=True); maybe_inject(4, 0)")
     r = subprocess.run([sys.executable, "-c", code], env={ENV_CHAOS: "crash@step=4,rank=0", "PATH": ""},
                        capture_output=True, text=True, timeout=60)

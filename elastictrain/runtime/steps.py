@@ -1,0 +1,271 @@
+"""The step loop of the public API: resume, step boundaries the agent sees, saves, pause/drain/stop, one collective.
+
+`Worker.steps(...)` returns a `StepLoop`; iterating it yields the index of the step about to run. Around the
+user's step it
+
+* before the first step: loads the newest valid checkpoint into the `TrainState` (or starts fresh), seeds each
+  rank's RNG (restored from the checkpoint at the same world size, derived from (seed, step, rank) otherwise) and
+  checks that every rank starts from the same step, data position, fingerprint and checkpoint;
+* after each step: advances the `ElasticSampler`s of the state, records the step's samples in the sample ledger
+  (when auditing), sends a heartbeat (so the agent's hang detector sees the user's steps), and runs **one small
+  all_reduce** that sums the values passed to `Worker.report` together with three flags: a rank was asked to stop
+  (SIGTERM/SIGINT, a drain), rank 0 relays an operator's "checkpoint now", a rank was asked to pause;
+* then saves when due (async), or blocking when stopping or at the end; waits at the boundary while paused;
+  ends the loop when a stop was agreed (every rank at the same step, state saved).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import CheckpointError, ConfigError
+from elastictrain.runtime.audit import SampleLedger
+from elastictrain.runtime.checkpointing import StateCheckpointer, fingerprint_of
+from elastictrain.runtime.control import WorkerControl
+from elastictrain.runtime.determinism import derive_seed, seed_everything
+from elastictrain.runtime.heartbeat import Heartbeat
+from elastictrain.runtime.injected_faults import maybe_inject
+from elastictrain.runtime.train_state import TrainState
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS = 8
+"""Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
+_FLAGS = 4  # stop, checkpoint now, pause, the hash of the reported names
+_PAUSE_POLL_S = 0.5
+"""While paused, ranks agree on resume/stop this often."""
+
+StepHook = Callable[[int, dict[str, float]], None]
+
+
+class StopRequest(Protocol):
+    requested: bool
+
+
+class LoopHost(Protocol):
+    """What the loop uses of its `Worker`."""
+
+    seed: int
+    heartbeat: Heartbeat
+    control: WorkerControl
+    stop_flag: StopRequest
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+def _names_hash(names: list[str]) -> int:
+    """Small enough that a sum over thousands of ranks stays exact in float64."""
+    return zlib.crc32("\0".join(names).encode()) & 0xFFFFF
+
+
+class StepLoop:
+    """Iterate to train; see the module doc. Made by `Worker.steps`."""
+
+    def __init__(self, worker: LoopHost, total: int, state: TrainState, *,
+                 checkpoint: Optional[CheckpointConfig], fingerprint: Optional[dict[str, Any]],
+                 metadata: Optional[dict[str, Any]], audit_dir: Optional[str], log_every: int,
+                 on_step: Optional[StepHook]):
+        if total < 0:
+            raise ConfigError(f"Worker.steps: total={total} must be >= 0")
+        self.worker, self.total, self.state = worker, total, state
+        self.log_every, self.on_step = log_every, on_step
+        self.metrics: dict[str, float] = {}
+        """The values of `Worker.report`, summed over ranks, of the last finished step."""
+        self.step_times: list[float] = []
+        self.resumed_from: Optional[str] = None
+        self.start_step = 0
+        self.stopped = self.stopped_by_peer = False
+        self._pending: dict[str, Any] = {}
+        self._fingerprint = fingerprint_of(fingerprint or {})
+        self.checkpointer: Optional[StateCheckpointer] = None
+        if checkpoint is not None and checkpoint.url:
+            self.checkpointer = StateCheckpointer(
+                checkpoint, state, worker.heartbeat, rank=worker.rank, world_size=worker.world_size,
+                fingerprint=self._fingerprint, metadata=metadata)
+        self._audit_dir = audit_dir
+        self.ledger: Optional[SampleLedger] = None
+        self._launch_seq = 0
+        self._started = False
+
+    # --- user side ---------------------------------------------------------------------------------------
+
+    def report(self, values: dict[str, Any]) -> None:
+        for name, v in values.items():
+            v = v.detach() if isinstance(v, torch.Tensor) else v
+            self._pending[name] = self._pending[name] + v if name in self._pending else v
+
+    def __iter__(self) -> Iterator[int]:
+        if self._started:
+            raise RuntimeError("a StepLoop runs once; call worker.steps(...) again for another loop")
+        self._started = True
+        return self._run()
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    def _run(self) -> Iterator[int]:
+        w, st = self.worker, self.state
+        finished = False
+        try:
+            self._start()
+            if st.step >= self.total and w.is_main:
+                log.warning("already at step %d of %d (resumed from %s): nothing to train; to start over, use "
+                            "another checkpoint URL or resume='never'", st.step, self.total, self.resumed_from)
+            while st.step < self.total:
+                maybe_inject(st.step, w.rank)
+                t0 = time.monotonic()
+                yield st.step
+                if self._end_step(t0):
+                    break
+            finished = True
+        finally:
+            # Also when the user leaves the loop early (break, an exception): no save then, but the save in
+            # flight completes and the ledger is closed.
+            w.heartbeat.beat(st.step, "done" if finished else "train")
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            if self.ledger is not None:
+                self.ledger.close()
+
+    def _start(self) -> None:
+        w, st = self.worker, self.state
+        w.heartbeat.beat(st.step, "load")
+        loaded = self.checkpointer.restore() if self.checkpointer is not None else None
+        if loaded is None:
+            seed_everything(derive_seed(w.seed, "rank", w.rank))
+        else:
+            self.resumed_from = loaded.url
+            if loaded.missing_keys or loaded.world_size != w.world_size:
+                # This rank's RNG was not in the checkpoint (another world size): derive it from (seed, step, rank).
+                seed_everything(derive_seed(w.seed, "resume", st.step, w.rank))
+        self._verify_consistent_start()
+        self.start_step = st.step
+        if self._audit_dir is not None:
+            # Identifies this launch in the ledger; newer launches (after a restart) supersede older ones.
+            seq = torch.tensor([time.time_ns()], dtype=torch.int64)
+            if w.world_size > 1:
+                dist.broadcast(seq, src=0)
+            self._launch_seq = int(seq.item())
+            self.ledger = SampleLedger(Path(self._audit_dir), w.rank, f"{self._launch_seq:x}")
+        w.heartbeat.beat(st.step, "train")
+
+    def _verify_consistent_start(self) -> None:
+        """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint."""
+        w, st = self.worker, self.state
+        mine = (st.step, [s.samples_consumed for s in st.samplers], sorted(self._fingerprint.items()),
+                self.resumed_from)
+        if w.world_size == 1:
+            return
+        views: list[Any] = [None] * w.world_size
+        dist.all_gather_object(views, mine)
+        if any(v != views[0] for v in views):
+            detail = "; ".join(f"rank {r}: step {v[0]}, samples {v[1]}, checkpoint {v[3]}" for r, v in enumerate(views))
+            raise CheckpointError(f"ranks disagree on the starting state after (re)load: {detail}. Check that "
+                                  f"every node runs the same script, config and checkpoint URL")
+
+    def _end_step(self, t0: float) -> bool:
+        """Close the step the user just ran; True when the loop must end (a stop agreed by every rank)."""
+        w, st = self.worker, self.state
+        if self.ledger is not None:
+            samples = [s for sampler in st.samplers for s in sampler.last_planned]
+            self.ledger.record(st.step, w.world_size, self._launch_seq, samples)
+        for sampler in st.samplers:
+            sampler.advance()
+        st.step += 1
+        stop, ckpt_now, pause = self._reduce()
+        self.step_times.append(time.monotonic() - t0)
+        w.heartbeat.beat(st.step, "train")
+        if self.on_step is not None:
+            self.on_step(st.step, self.metrics)
+        if self.log_every and (st.step % self.log_every == 0 or st.step == self.total) and w.is_main:
+            self._log_progress()
+        final = st.step == self.total
+        if self.checkpointer is not None:
+            self.checkpointer.after_step(final=final, stopping=stop)
+            if ckpt_now and not stop:
+                self.checkpointer.save_now()
+        if ckpt_now:
+            w.control.ckpt_handled()
+        if pause and not stop and not final:
+            stop = self._pause()
+            if stop and self.checkpointer is not None:
+                self.checkpointer.after_step(final=False, stopping=True)
+        if stop:
+            self.stopped = True
+            self.stopped_by_peer = not w.stop_flag.requested
+            log.warning("stop requested%s: leaving at step %d", " by another rank" if self.stopped_by_peer else "",
+                        st.step)
+        return stop
+
+    def _reduce(self) -> tuple[bool, bool, bool]:
+        """The step's one collective: reported values summed, and the stop/checkpoint/pause flags."""
+        w = self.worker
+        names = sorted(self._pending)
+        if len(names) > MAX_METRICS:
+            raise ConfigError(f"Worker.report: {len(names)} names in one step ({', '.join(names)}); at most "
+                              f"{MAX_METRICS}: report fewer values")
+        w.control.poll()
+        flags = [float(w.stop_flag.requested), float(w.rank == 0 and w.control.ckpt_requested),
+                 float(w.control.paused), float(_names_hash(names))]
+        vec = torch.zeros(_FLAGS + MAX_METRICS, dtype=torch.float64, device=w.device)
+        vec[:_FLAGS] = torch.tensor(flags, dtype=torch.float64)
+        for i, name in enumerate(names):
+            vec[_FLAGS + i] = self._pending[name]
+        if w.world_size > 1:
+            dist.all_reduce(vec)
+        out = vec.tolist()
+        self._pending = {}
+        if out[3] != flags[3] * w.world_size:
+            raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
+                              f"{w.rank}: {names or 'none'}); report the same names on every rank at every step")
+        self.metrics = {name: out[_FLAGS + i] for i, name in enumerate(names)}
+        return out[0] > 0, out[1] > 0, out[2] > 0
+
+    def _pause(self) -> bool:
+        """Wait at this step boundary until no rank is asked to pause; True when a stop was agreed meanwhile.
+
+        Every rank loops in lockstep on a small all_reduce, so all leave at the same iteration. A "checkpoint
+        now" while paused is saved at once (pause, save, then drain is the planned-maintenance sequence).
+        """
+        w, step = self.worker, self.state.step
+        if w.is_main:
+            log.warning("paused at step %d by operator request", step)
+        while True:
+            w.heartbeat.beat(step, "paused")
+            time.sleep(_PAUSE_POLL_S)
+            w.control.poll()
+            ckpt = w.rank == 0 and w.control.ckpt_requested
+            red = torch.tensor([float(w.control.paused), float(w.stop_flag.requested), float(ckpt)], device=w.device)
+            if w.world_size > 1:
+                dist.all_reduce(red)
+            paused, stop, ckpt_now = red.tolist()
+            if ckpt_now:
+                if self.checkpointer is not None:
+                    self.checkpointer.save_now()
+                w.control.ckpt_handled()
+            if stop or not paused:
+                if w.is_main:
+                    log.warning("%s at step %d", "stop requested while paused" if stop else "resumed", step)
+                w.heartbeat.beat(step, "train")
+                return bool(stop)
+
+    def _log_progress(self) -> None:
+        recent = self.step_times[-self.log_every:]
+        median = statistics.median(recent)
+        values = " ".join(f"{k} {v:.4g}" for k, v in self.metrics.items())
+        log.info("step %d/%d %s%sstep_time %.3fs", self.state.step, self.total, values, " " if values else "", median)

@@ -1,0 +1,194 @@
+"""`Worker`: the public API's entry point inside a training process.
+
+    with elastictrain.Worker(seed=0) as w:
+        model = fully_shard(build_model(), mesh=w.mesh)
+        ...
+        for step in w.steps(1000, state, checkpoint="file:///ckpt", every_steps=50):
+            ...
+
+It joins the process group and a 1-D device mesh from torchrun's environment (one process without one), and when
+our agent started the process: ties the process's life to the agent's, opens the heartbeat channel and the
+operator-control doorbell. SIGTERM/SIGINT become a stop request that the step loop honours at the next step
+boundary, on every rank alike, after a save. On leaving the block it closes the process group, and turns the
+run's ending into the exit code the agent acts on: an `ElastictrainError` that restarting cannot fix exits
+`EXIT_FATAL` (2) with its one-line cause recorded; a stop asked by a rank of another node (a drain) exits
+`EXIT_REFORM` (75), so the agent re-forms the group instead of calling the job done.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from elastictrain.config import CheckpointConfig, checkpoint_config, validate_checkpoint
+from elastictrain.config import TrainConfig as _TrainConfig
+from elastictrain.errors import ConfigError, ElastictrainError
+from elastictrain.runtime.control import WorkerControl
+from elastictrain.runtime.determinism import configure_determinism, seed_everything
+from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
+from elastictrain.runtime.heartbeat import Heartbeat
+from elastictrain.runtime.session import RankInfo, Session
+from elastictrain.runtime.steps import StepHook, StepLoop
+from elastictrain.runtime.train_state import TrainState
+
+log = logging.getLogger(__name__)
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; acted on at the next step boundary, agreed by all ranks."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+class Worker:
+    """One training process of an elastic job; a context manager (see the module doc)."""
+
+    def __init__(self, *, seed: int = 0, device: str = "auto", deterministic: bool = True,
+                 collective_timeout_s: float = 600.0):
+        self.seed = int(seed)
+        self._train_cfg = _TrainConfig(device=device, deterministic=deterministic,  # type: ignore[arg-type]
+                                       collective_timeout_s=collective_timeout_s, seed=self.seed)
+        self.session: Optional[Session] = None
+        self.heartbeat = Heartbeat(None)
+        self.control = WorkerControl(None)
+        self.stop_flag = StopFlag()
+        self.loop: Optional[StepLoop] = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> "Worker":
+        # The doorbell handler first: the agent rings only workers that sent a heartbeat (runtime/control.py).
+        self.control = WorkerControl.from_env()
+        self.heartbeat = Heartbeat.from_env()
+        self.stop_flag.install()
+        configure_determinism(self._train_cfg.deterministic)
+        self.session = Session(self._train_cfg).start()
+        # The same seed on every rank until the first step: models built now are initialised alike everywhere.
+        seed_everything(self.seed)
+        return self
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self.heartbeat.close()
+
+    def __enter__(self) -> "Worker":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self.close()
+        if isinstance(exc, ElastictrainError):
+            log.error("%s", exc)
+            if not exc.restartable:
+                # Restarting cannot fix it: the agent ends the job on every node with this cause.
+                raise SystemExit(exit_fatal(str(exc))) from None
+        elif exc is None and self.loop is not None and self.loop.stopped_by_peer:
+            raise SystemExit(EXIT_REFORM)
+
+    # --- what the user reads ---------------------------------------------------------------------------
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise RuntimeError("the Worker is not started: use `with elastictrain.Worker(...) as w:`")
+        return self.session
+
+    @property
+    def info(self) -> RankInfo:
+        return self._session().info
+
+    @property
+    def rank(self) -> int:
+        return self._session().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._session().world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._session().info.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self._session().is_main
+
+    @property
+    def device(self) -> torch.device:
+        return self._session().device
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        mesh = self._session().mesh
+        assert mesh is not None
+        return mesh
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """What `report` got in the last finished step, summed over ranks."""
+        return dict(self.loop.metrics) if self.loop is not None else {}
+
+    @property
+    def stopped(self) -> bool:
+        """The loop ended early: a stop (SIGTERM, a drain) was agreed, the state is saved."""
+        return self.loop is not None and self.loop.stopped
+
+    # --- training --------------------------------------------------------------------------------------
+
+    def steps(self, total: int, state: TrainState, *, checkpoint: str | CheckpointConfig | None = None,
+              fingerprint: Optional[dict[str, Any]] = None, metadata: Optional[dict[str, Any]] = None,
+              audit_dir: Optional[str] = None, log_every: int = 0, on_step: Optional[StepHook] = None,
+              **checkpoint_options: Any) -> StepLoop:
+        """The training loop: `for step in w.steps(total, state, ...)` yields each step index still to run.
+
+        `checkpoint`: a URL (file://, s3://, a path) or a full `CheckpointConfig`; `every_steps`, `every_seconds`,
+        `keep_last`, `resume`, `storage_options`, ... (`CheckpointConfig`'s fields) may be passed as keywords.
+        `fingerprint`: plain data a checkpoint must match to be resumed (e.g. your model config).
+        `metadata`: stored in each checkpoint's manifest. `audit_dir`: record every step's samples per rank
+        (the exactly-once audit). `log_every`: log reported values and step time every N steps (rank 0).
+        `on_step(step, metrics)`: called on every rank after each step, with the reported values summed.
+        """
+        self._session()
+        cfg = _checkpoint_config(checkpoint, checkpoint_options, self._train_cfg.collective_timeout_s)
+        self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
+                             audit_dir=audit_dir, log_every=log_every, on_step=on_step)
+        return self.loop
+
+    def report(self, **values: Any) -> None:
+        """Add values (floats or 0-d tensors, e.g. `loss * mb.fraction`) to this step's reduction.
+
+        Summed over the step's calls and over ranks in the step loop's one all_reduce (no extra collective);
+        read them from `metrics` or `on_step`. Every rank must report the same names every step.
+        """
+        if self.loop is None:
+            raise RuntimeError("Worker.report is for use inside `for step in w.steps(...)`")
+        self.loop.report(values)
+
+
+def _checkpoint_config(checkpoint: str | CheckpointConfig | None, options: dict[str, Any],
+                       collective_timeout_s: float) -> Optional[CheckpointConfig]:
+    if isinstance(checkpoint, CheckpointConfig):
+        if options:
+            raise ConfigError("Worker.steps: pass checkpoint options either in the CheckpointConfig or as keywords")
+        validate_checkpoint(checkpoint, collective_timeout_s)
+        return checkpoint
+    if checkpoint is None and not options:
+        return None
+    if checkpoint is None and "url" not in options:
+        raise ConfigError(f"Worker.steps: {', '.join(sorted(options))} given but no checkpoint URL; pass "
+                          f"checkpoint='file:///path' (or a path) or 's3://bucket/prefix'")
+    data = dict(options)
+    if checkpoint is not None:
+        data["url"] = str(checkpoint)
+    return checkpoint_config(data, collective_timeout_s)
