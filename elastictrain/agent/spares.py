@@ -35,8 +35,9 @@ _CLOSE_WAIT_S = 2.0
 RECIPE_MODULE = "elastictrain.recipes.lm"
 """The worker module `elastictrain run --config job.yaml` starts when no script is given."""
 
-SCRIPT_PREWARM = ("torch", "torch.distributed")
-"""What the spares of a user's script (or module) import ahead, besides `--prewarm`."""
+SCRIPT_PREWARM = ("torch", "torch.distributed", "elastictrain.runtime.worker")
+"""What the spares of a user's script (or module) import ahead, besides `--prewarm`: torch's distributed stack, and
+the public worker API with its checkpoint stack (DCP, fsspec), which a script on the API imports anyway."""
 
 FLAGS_WITHOUT_VALUE = frozenset({
     "-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",

@@ -5,8 +5,8 @@ rendezvous < checkpoint, runtime < agent < chaos < cli, recipes. A module may im
 lower layer. Modules of one layer (checkpoint and runtime; cli and recipes) do not import each other, except
 runtime -> checkpoint (the worker saves through the checkpoint manager). The package's `__init__` is the public
 surface and may import from any layer; of the package's own modules, only the top layer's recipes import it
-(a recipe is an example of the public API, as a user's script is). The worker side (runtime, checkpoint, recipes) never reaches the agent
-or the CLI, through any chain: a worker process never loads them.
+(a recipe is an example of the public API, as a user's script is). The worker side (runtime, checkpoint,
+recipes) never reaches the agent or the CLI, through any chain: a worker process never loads them.
 
 Every import counts: at module level, inside functions (lazy imports) and under `if TYPE_CHECKING:` (a type
 that names a higher layer is still a dependency on it). The source is read with `ast`, nothing is imported.

@@ -173,18 +173,20 @@ def test_a_scripts_spares_import_torch_and_the_prewarm_modules_before_they_wait_
 
     script = tmp_path / "train.py"
     script.write_text("import json, os, sys\n"
-                      "json.dump(sorted(m for m in ('torch', 'torch.distributed', 'csv') if m in sys.modules),\n"
+                      "mods = ('torch', 'torch.distributed', 'elastictrain.runtime.worker', 'csv')\n"
+                      "json.dump(sorted(m for m in mods if m in sys.modules),\n"
                       "          open(os.path.join(sys.argv[1], 'preloaded.json'), 'w'))\n")
     pool = start_early(["--nproc-per-node", "2", "--prewarm", "csv", str(script), str(tmp_path)])
     try:
         assert pool is not None and pool.size == 2 and pool.alive() == 2
         assert pool.args == ["-u", str(script), str(tmp_path)]
-        assert pool.prewarm == ["torch", "torch.distributed", "csv"]
+        assert pool.prewarm == ["torch", "torch.distributed", "elastictrain.runtime.worker", "csv"]
         assert _wait(lambda: pool.ready() == 2, timeout=90), "the spares never finished their imports"
         handler = pool.serve(0, tuple(pool.args), {"RANK": "0"}, None, None)
         assert handler is not None and handler.proc.wait(timeout=60) == 0
-        # The script was not run ahead (it found nothing of its own), and found torch already imported.
-        assert json.loads((tmp_path / "preloaded.json").read_text()) == ["csv", "torch", "torch.distributed"]
+        # The script was not run ahead (it found nothing of its own), and found torch and the API already imported.
+        assert json.loads((tmp_path / "preloaded.json").read_text()) == [
+            "csv", "elastictrain.runtime.worker", "torch", "torch.distributed"]
     finally:
         if pool is not None:
             pool.close()
