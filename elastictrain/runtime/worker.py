@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from elastictrain.config import CheckpointConfig, checkpoint_config, validate_checkpoint
 from elastictrain.config import TrainConfig as _TrainConfig
 from elastictrain.errors import ConfigError, ElastictrainError
+from elastictrain.logs import setup_logging
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import configure_determinism, seed_everything
 from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
@@ -55,8 +56,9 @@ class Worker:
     """One training process of an elastic job; a context manager (see the module doc)."""
 
     def __init__(self, *, seed: int = 0, device: str = "auto", deterministic: bool = True,
-                 collective_timeout_s: float = 600.0):
+                 collective_timeout_s: float = 600.0, log_level: Optional[str] = "INFO"):
         self.seed = int(seed)
+        self.log_level = log_level
         self._train_cfg = _TrainConfig(device=device, deterministic=deterministic,  # type: ignore[arg-type]
                                        collective_timeout_s=collective_timeout_s, seed=self.seed)
         self.session: Optional[Session] = None
@@ -68,6 +70,9 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> "Worker":
+        if self.log_level and not logging.getLogger().handlers and not logging.getLogger("elastictrain").handlers:
+            # A script that set up no logging still sees progress and recovery (rank 0; warnings from every rank).
+            setup_logging(self.log_level)
         # The doorbell handler first: the agent rings only workers that sent a heartbeat (runtime/control.py).
         self.control = WorkerControl.from_env()
         self.heartbeat = Heartbeat.from_env()
