@@ -123,6 +123,7 @@ class TrainState:
         """sha256 of the full (unsharded) model parameters and optimizer state; a collective: every rank calls it.
 
         Equal digests after two runs mean bitwise-equal training state; see `param_digest`, `optim_digest`.
+        Every rank gets the same digests.
         """
         out = {}
         if self.model is not None:
@@ -130,6 +131,11 @@ class TrainState:
         if self.optim is not None:
             assert self.model is not None
             out["optim"] = optim_digest(self.model, self.optim)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The full state is gathered on rank 0 only (cpu_offload): the other ranks hashed an empty dict.
+            box = [out]
+            dist.broadcast_object_list(box, src=0)
+            out = box[0]
         return out
 
 
@@ -153,7 +159,7 @@ def _hash_tensor(h: "hashlib._Hash", name: str, value: Any) -> None:
 
 
 def param_digest(model: torch.nn.Module) -> str:
-    """sha256 over the full (unsharded) parameters; a collective: every rank must call it."""
+    """sha256 over the full (unsharded) parameters; a collective: every rank calls it, rank 0's result counts."""
     full = get_model_state_dict(model, options=_FULL)
     h = hashlib.sha256()
     for name in sorted(full):
@@ -162,7 +168,7 @@ def param_digest(model: torch.nn.Module) -> str:
 
 
 def optim_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """sha256 over the full (unsharded) optimizer state; a collective: every rank must call it.
+    """sha256 over the full (unsharded) optimizer state; a collective: every rank calls it, rank 0's result counts.
 
     Every parameter's state (AdamW: exp_avg, exp_avg_sq, step) by FQN, then the param groups' hyperparameters
     (lr as the scheduler left it, betas, weight decay), so a resume that restores the parameters but not the

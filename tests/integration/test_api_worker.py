@@ -65,7 +65,7 @@ def _rank_main(out: Path) -> None:
                 (out / f"running{w.rank}").touch()
             time.sleep(0.02)  # the SIGTERM lands mid-run, not after the last step
         (out / f"stop{w.rank}.json").write_text(json.dumps(
-            {"step": state.step, "stopped": w.stopped}))
+            {"step": state.step, "stopped": w.stopped, "digest": state.digest()}))
 
 
 # --- launching -----------------------------------------------------------------------------------------------
@@ -143,6 +143,12 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     assert ends[0]["step"] == ends[1]["step"] > 4 and all(e["stopped"] for e in ends)
     saved = [c for c in list_checkpoints(open_storage(str(run["out"] / "ckpt"))) if c.status == "valid"]
     assert [c.step for c in saved] == [ends[0]["step"]], "the stop saved the step both ranks ended at"
+
+
+def test_the_state_digest_is_the_same_on_every_rank(run):
+    """Otherwise a script that compares digests on rank 1 compares hashes of nothing: always equal."""
+    digests = [e["digest"] for e in _read(run, "stop")]
+    assert digests[0] == digests[1]
 
 
 if __name__ == "__main__":
