@@ -1,8 +1,9 @@
 """A multi-node `elastictrain run` job on localhost for chaos tests: agents as subprocesses, one real etcd.
 
 Every node is an `elastictrain run` process in its own session (so a test can kill it with its workers) running
-the recipe on the synthetic source; all nodes share the checkpoint directory and `train.output_dir` (the sample
-ledger is per rank, summary.json is written by rank 0 of the final group).
+the recipe on the synthetic source (`Job`) or examples/train_mlp.py, a user's script on the public API
+(`ScriptJob`); all nodes share the checkpoint directory and the output directory (the sample ledger is per rank,
+summary.json is written by rank 0 of the final group).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from elastictrain.chaos.process_signals import kill_node, worker_pids
+from elastictrain.chaos.process_signals import WORKER_MODULE, kill_node, worker_pids
 from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.runtime.audit import read_records
@@ -26,10 +27,11 @@ GLOBAL_BATCH = 8  # FAST's data.global_batch_size
 HANG_FLOOR_S = 3
 
 
-def expected_samples(step: int) -> list[int]:
-    """What an uninterrupted run consumes at `step` (synthetic source, the config's seed)."""
-    order = GlobalOrder(1_000_000, seed=1234)
-    return sorted(order.lookup(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)))
+def expected_samples(step: int, num_samples: int = 1_000_000, seed: int = 1234,
+                     global_batch: int = GLOBAL_BATCH) -> list[int]:
+    """What an uninterrupted run consumes at `step` (default: the recipe's synthetic source and seed)."""
+    order = GlobalOrder(num_samples, seed=seed)
+    return sorted(order.lookup(range(step * global_batch, (step + 1) * global_batch)))
 
 
 def spans(sizes: dict[int, int]) -> str:
@@ -46,8 +48,9 @@ def spans(sizes: dict[int, int]) -> str:
 class Node:
     """One `elastictrain run` agent process and its log."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
-        self.name, self.log_path = name, log_path
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+                 worker_module: str = WORKER_MODULE):
+        self.name, self.log_path, self.worker_module = name, log_path, worker_module
         self._log = open(log_path, "a")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -55,7 +58,7 @@ class Node:
         self.started = time.monotonic()
 
     def workers(self) -> dict[int, int]:
-        return worker_pids(self.pid)
+        return worker_pids(self.pid, self.worker_module)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -73,6 +76,9 @@ class Node:
 
 class Job:
     """The nodes of one run id against one etcd, a shared output and checkpoint directory."""
+
+    worker_module = WORKER_MODULE
+    """What a worker's command line holds (how `Node.workers` tells workers from other processes)."""
 
     def __init__(self, tmp: Path, endpoint: str, run_id: str, *, steps: int = STEPS, max_restarts: int = 10,
                  extra_overrides: tuple[str, ...] = (), nnodes: str = "1:2", ckpt_url: Optional[str] = None,
@@ -92,19 +98,21 @@ class Job:
         self.nodes: list[Node] = []
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml")]
-        for o in self.overrides:
-            cmd += ["--set", o]
-        return cmd + ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
-                      "--rdzv-id", self.run_id, "--max-restarts", str(self.max_restarts),
-                      "--heartbeat-timeout", str(HANG_FLOOR_S)]
+        return [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml"),
+                *self.agent_args()]
+
+    def agent_args(self) -> list[str]:
+        """The overrides as `--set`s, then the agent's flags."""
+        return [*(x for o in self.overrides for x in ("--set", o)), "--nnodes", self.nnodes, "--nproc-per-node", "1",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--max-restarts", str(self.max_restarts),
+                "--heartbeat-timeout", str(HANG_FLOOR_S)]
 
     def start_node(self, name: str, env: Optional[dict[str, str]] = None, prefix: Sequence[str] = (),
                    args: Sequence[str] = ()) -> Node:
         """Start (or re-join: the same command again) one node; `prefix` wraps the command (`ip netns exec NS`),
         `args` are extra agent flags of this node (`--local-addr`)."""
         cmd = [*prefix, *self.command(), *args]
-        node = Node(name, cmd, {**worker_env(), **(env or {})}, self.out / f"agent-{name}.log")
+        node = Node(name, cmd, {**worker_env(), **(env or {})}, self.out / f"agent-{name}.log", self.worker_module)
         self.nodes.append(node)
         return node
 
@@ -187,3 +195,30 @@ class Job:
         for n in self.nodes:
             if n.alive():
                 n.kill()
+
+
+class ScriptJob(Job):
+    """The same job running examples/train_mlp.py (a user's script on the public API) instead of the recipe.
+
+    `extra_overrides` are the agents' `elastic.*` settings; the script checkpoints every `every` steps into the
+    job's checkpoint directory, keeps the sample ledger in `out/samples`, and its rank 0 writes summary.json
+    (step, world_size, model and optim digests) when it leaves its loop."""
+
+    worker_module = "train_mlp.py"
+    num_samples = 4096  # the script's dataset
+    global_batch = 32  # its default --global-batch
+
+    def __init__(self, tmp: Path, endpoint: str, run_id: str, *, steps: int = STEPS, every: int = 4,
+                 extra_overrides: tuple[str, ...] = (), **kwargs):
+        super().__init__(tmp, endpoint, run_id, steps=steps, extra_overrides=extra_overrides, **kwargs)
+        self.overrides = list(extra_overrides)
+        self.script = [str(REPO / "examples/train_mlp.py"), "--steps", str(steps), "--checkpoint", self.ckpt_url,
+                       "--every", str(every), "--audit-dir", str(self.out / "samples"),
+                       "--out", str(self.out / "summary.json")]
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "elastictrain.cli.main", "run", *self.agent_args(), *self.script]
+
+    def expected_samples(self, step: int) -> list[int]:
+        """What an uninterrupted run consumes at `step` (the script's sampler: seed 0)."""
+        return expected_samples(step, self.num_samples, seed=0, global_batch=self.global_batch)
