@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
-from elastictrain.errors import CheckpointMismatchError
+from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.runtime.cursor import ElasticCursor, GlobalOrder
 
 
@@ -55,9 +55,9 @@ class ElasticSampler(ElasticCursor):
     def __init__(self, num_samples: int, *, global_batch_size: int, micro_batch_size: int, seed: int = 0,
                  shuffle: bool = True):
         if num_samples <= 0:
-            raise ValueError(f"ElasticSampler: num_samples must be > 0, got {num_samples}")
+            raise ConfigError(f"ElasticSampler: num_samples must be > 0, got {num_samples}")
         if micro_batch_size <= 0 or global_batch_size <= 0 or global_batch_size % micro_batch_size:
-            raise ValueError(f"ElasticSampler: global_batch_size ({global_batch_size}) must be a positive multiple "
+            raise ConfigError(f"ElasticSampler: global_batch_size ({global_batch_size}) must be a positive multiple "
                              f"of micro_batch_size ({micro_batch_size})")
         super().__init__(GlobalOrder(num_samples, seed, shuffle), global_batch_size, micro_batch_size)
         self.last_planned: list[int] = []

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastictrain.errors import ConfigError
 from elastictrain.runtime.determinism import capture_rng_state, restore_rng_state
 from elastictrain.runtime.sampler import ElasticSampler
 
@@ -83,13 +84,13 @@ class TrainState:
     def __init__(self, model: Optional[torch.nn.Module] = None, optim: Optional[torch.optim.Optimizer] = None,
                  **extras: Any):
         if optim is not None and model is None:
-            raise TypeError("TrainState(optim=...) needs model=... too: optimizer state is saved by parameter name")
+            raise ConfigError("TrainState(optim=...) needs model=... too: optimizer state is saved by parameter name")
         for name, value in extras.items():
             if name in RESERVED_KEYS or "/" in name or "." in name:
-                raise TypeError(f"TrainState: {name!r} is not a usable name for an extra (reserved: "
+                raise ConfigError(f"TrainState: {name!r} is not a usable name for an extra (reserved: "
                                 f"{', '.join(RESERVED_KEYS)}; no '/' or '.'); pick another keyword")
             if not (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))):
-                raise TypeError(f"TrainState: {name}={type(value).__name__} has no state_dict()/load_state_dict(); "
+                raise ConfigError(f"TrainState: {name}={type(value).__name__} has no state_dict()/load_state_dict(); "
                                 f"give it those two methods (torch's Stateful protocol) or leave it out")
         self.model, self.optim, self.extras = model, optim, dict(extras)
         self.step = 0

@@ -43,10 +43,17 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before (the process may go on after the Worker)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True
@@ -84,6 +91,7 @@ class Worker:
         return self
 
     def close(self) -> None:
+        self.stop_flag.uninstall()
         if self.session is not None:
             self.session.close()
             self.session = None

@@ -151,18 +151,18 @@ class _Counter:
 
 def test_train_state_refuses_an_optimizer_without_its_model():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="model="):
+    with pytest.raises(ConfigError, match="model="):
         et.TrainState(optim=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.mark.parametrize("name", ["trainer", "rng", "my/extra", "my.extra"])
 def test_train_state_refuses_reserved_or_unusable_extra_names(name):
-    with pytest.raises(TypeError, match=f"{name!r} is not a usable name"):
+    with pytest.raises(ConfigError, match=f"{name!r} is not a usable name"):
         et.TrainState(**{name: _Counter()})
 
 
 def test_train_state_refuses_an_extra_that_cannot_be_saved():
-    with pytest.raises(TypeError, match="lookup=dict has no state_dict"):
+    with pytest.raises(ConfigError, match="lookup=dict has no state_dict"):
         et.TrainState(lookup={"a": 1})
 
 
