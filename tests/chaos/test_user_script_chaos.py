@@ -1,0 +1,130 @@
+"""Chaos on a user's script: examples/train_mlp.py (the public API, no recipe) under `elastictrain run`, 2 nodes on
+localhost with a real etcd, one fault per test: the recipe's guarantees (tests/chaos/test_agent_chaos.py) hold for
+any script written on `elastictrain.Worker`.
+
+Each test asserts the job finishes (exit 0), the fault landed mid-run (a later launch re-ran steps of an earlier
+one), every step of the committed history consumed exactly the samples of an uninterrupted run (exactly once), every
+committed step ran at the world size the test expects (sample ledger; the checkpoints' manifests agree), and, where
+the world size stayed 2, the final model and optimizer state are bitwise those of an uninterrupted 2-node run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+
+from elastictrain.chaos.process_signals import drain_node
+from elastictrain.runtime.audit import committed_timeline
+from elastictrain.runtime.injected_faults import ENV_CHAOS
+from tests.chaos.cluster import STEPS, Node, ScriptJob, spans
+from tests.integration.agent_etcd.job_records import restarts_and_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FAULT_STEP = 9  # checkpoints every 4 steps: the restarted group resumes from step 8
+ON_TWO = {s: 2 for s in range(STEPS)}
+STEP_FLOOR = {ENV_CHAOS: "slow@ms=100"}
+"""Every step lasts at least 0.1 s, so a fault sent once step 9 is seen lands before the job ends, on a fast machine
+as on a busy one (the steps of this MLP take a few ms)."""
+WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
+"""The survivor waits for the node that left to come back, so every step runs on 2 ranks (see test_agent_chaos)."""
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, _etcd_session_server) -> dict:
+    """rank 0's summary of an uninterrupted run of the script on 2 nodes."""
+    job = ScriptJob(tmp_path_factory.mktemp("reference"), _etcd_session_server.endpoint,
+                    f"ref-{uuid.uuid4().hex[:8]}")
+    try:
+        nodes = [job.start_node("a"), job.start_node("b")]
+        assert job.wait(nodes) == [0, 0], job.logs()
+        job.assert_world_sizes(ON_TWO)  # a split start (one node alone, the other by scale-up) is no reference
+        summary = job.summary()
+        assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
+        return summary
+    finally:
+        job.teardown()
+
+
+@pytest.fixture
+def job(tmp_path, etcd, run_id):
+    j = ScriptJob(tmp_path, etcd.endpoint, run_id)
+    yield j
+    j.teardown()
+
+
+def start_two(job: ScriptJob) -> tuple[Node, Node]:
+    a = job.start_node("a", STEP_FLOOR)
+    b = job.start_node("b", STEP_FLOOR)
+    job.wait_for_step(FAULT_STEP, world_size=2)
+    return a, b
+
+
+def signal_worker(job: ScriptJob, node: Node, sig: signal.Signals) -> int:
+    """Send `sig` to the node's (only) worker; returns its pid."""
+    (pid,) = job.wait_workers(node).values()
+    os.kill(pid, sig)
+    return pid
+
+
+def assert_exactly_once(job: ScriptJob, sizes: dict[int, int]) -> dict:
+    """Finished at `STEPS`, every step's samples once, at the expected world sizes; returns rank 0's summary."""
+    summary = job.summary()
+    assert (summary["step"], summary["world_size"]) == (STEPS, sizes[STEPS - 1]), summary
+    assert len({r["launch"] for r in job.records()}) > 1, "the fault landed after the job's only launch"
+    assert committed_timeline(job.out / "samples") == {s: job.expected_samples(s) for s in range(STEPS)}, \
+        "every step must consume exactly the samples of an uninterrupted run, once"
+    job.assert_world_sizes(sizes)
+    return summary
+
+
+def assert_bitwise(summary: dict, reference: dict) -> None:
+    for key in ("model", "optim"):
+        assert reference[key] and summary[key] == reference[key], f"final {key} state differs from the reference's"
+
+
+def test_worker_sigkill_restarts_the_script_and_ends_bitwise_identical(job, reference):
+    a, b = start_two(job)
+    signal_worker(job, b, signal.SIGKILL)
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
+    used, events = restarts_and_events(job.endpoint, job.run_id)
+    assert used >= 1 and any(e.kind == "failure" for e in events), [(e.kind, e.fields) for e in events]
+
+
+def test_node_sigkilled_and_rejoined_by_the_same_command_ends_bitwise_identical(job, reference):
+    job.overrides.extend(WAIT_FOR_REJOIN)  # the agents' settings, before any starts
+    a, b = start_two(job)
+    b.kill()  # agent and worker, no goodbye: its etcd lease expires
+    b2 = job.start_node("b-rejoined", STEP_FLOOR)
+    assert job.wait([a, b2]) == [0, 0], job.logs()
+    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
+
+
+def test_sigstopped_worker_is_declared_hung_and_the_script_ends_bitwise_identical(job, reference):
+    a, b = start_two(job)
+    stopped = signal_worker(job, b, signal.SIGSTOP)  # called hung after the agents' 3 s floor (cluster.HANG_FLOOR_S)
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
+    _, events = restarts_and_events(job.endpoint, job.run_id)
+    hangs = [e for e in events if e.kind == "hang"]
+    assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
+
+
+def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_once(job):
+    a, b = start_two(job)
+    drain_node(b.pid)
+    assert job.wait([b]) == [0], "a drained node exits 0\n" + job.logs()
+    assert job.wait([a]) == [0], job.logs()
+    ran = {s: c["world_size"] for s, c in job.committed().items()}
+    alone = min((s for s, w in ran.items() if w == 1), default=STEPS)
+    assert FAULT_STEP <= alone < STEPS, f"the drain must shrink the world mid-run: {spans(ran)}"
+    assert_exactly_once(job, {s: 2 if s < alone else 1 for s in range(STEPS)})
+    on_two = max(r["step"] for r in job.records() if r["world_size"] == 2)
+    assert on_two == alone - 1, f"the drain saves the step it stopped at: step {on_two} ran on 2 ranks, then redone"
+    used, events = restarts_and_events(job.endpoint, job.run_id)
+    assert "drain" in [e.kind for e in events]
+    assert used == 0, "a drain must not spend the restart budget"
