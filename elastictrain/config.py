@@ -112,6 +112,9 @@ class CheckpointConfig:
     """Save every N steps (0: off)."""
     every_seconds: float = 0.0
     """Save when this much wall time passed since the last save (0: off)."""
+    snapshot_every_steps: int = 0
+    """In-memory snapshot of every rank's state every N steps, in node RAM (/dev/shm) that outlives the worker: a
+    worker restarted by our agent resumes from it without a storage read (0: off; docs/checkpoints.md)."""
     keep_last: int = 3
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: off)."""
@@ -453,16 +456,16 @@ def validate(cfg: JobConfig) -> None:
 def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> None:
     """Check the `checkpoint` section (and fill in `storage_wait_s`); raise ConfigError naming the field."""
     for name, v in {"checkpoint.every_steps": c.every_steps, "checkpoint.every_seconds": c.every_seconds,
-                    "checkpoint.keep_every": c.keep_every,
+                    "checkpoint.keep_every": c.keep_every, "checkpoint.snapshot_every_steps": c.snapshot_every_steps,
                     "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
         if v < 0:
             raise ConfigError(f"{name} must be >= 0 (got {v}); 0 turns it off")
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {c.keep_last}): the newest valid checkpoint "
                           f"is always kept")
-    if c.url is None and (c.every_steps or c.every_seconds):
-        raise ConfigError("checkpoint.every_steps/every_seconds is set but checkpoint.url is not; "
-                          "set checkpoint.url (a path or s3://bucket/prefix)")
+    if c.url is None and (c.every_steps or c.every_seconds or c.snapshot_every_steps):
+        raise ConfigError("checkpoint.every_steps/every_seconds/snapshot_every_steps is set but checkpoint.url is "
+                          "not; set checkpoint.url (a path or s3://bucket/prefix)")
     if c.storage_wait_s is None:
         c.storage_wait_s = min(DEFAULT_STORAGE_WAIT_S, collective_timeout_s / 2)
     if not 0 <= c.storage_wait_s < collective_timeout_s:

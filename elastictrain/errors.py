@@ -34,6 +34,13 @@ class StorageUnreachableError(StorageError):
     restartable = True
 
 
+class SnapshotError(CheckpointError):
+    """An in-memory snapshot could not be restored on some rank and no durable checkpoint is there to fall back to;
+    the bad snapshot is dropped, so the restart that follows starts over cleanly."""
+
+    restartable = True
+
+
 class StorageFullError(StorageError):
     """Checkpoint storage has no space left: a condition that may pass, not a misconfiguration."""
 

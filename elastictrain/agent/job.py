@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
+from elastictrain.agent import snapshots
 from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPolicy
 from elastictrain.agent.control import ControlRelay
@@ -136,6 +137,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                              lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
         stack.callback(relay.close)
         os.environ.update(relay.env())  # the workers inherit the agent's environment
+        stack.callback(snapshots.remove, snapshots.make_snapshot_dir(run_id))  # node RAM: gone with the job
 
         def on_agent(agent: ElasticAgent) -> None:
             nonlocal publisher

@@ -468,6 +468,17 @@ class CheckpointManager:
                 log.warning("skipping checkpoint %s: %s", info.url, reason)
                 self._emit("checkpoint_skipped", url=info.url, reason=reason)
 
+    def newest_step(self) -> Optional[int]:
+        """Step of the newest committed checkpoint `load_latest` would consider (not verified); agreed by all ranks."""
+        if self.storage is None or self.cfg.resume != "auto":
+            return None
+        info = self._rank0(lambda: next(self._candidates(), None), self.storage)
+        return info.manifest.metadata.step if info is not None and info.manifest is not None else None
+
+    def restored_elsewhere(self, state: dict[str, Any]) -> None:
+        """The state was restored from another tier (a snapshot): get the async-save buffers ready now."""
+        self._prepare_staging(state)
+
     def load_latest(self, state: dict[str, Any]) -> Optional[LoadedCheckpoint]:
         """Load the checkpoint chosen by cfg.resume into `state` (in place); None when starting fresh.
 

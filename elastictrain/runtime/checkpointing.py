@@ -5,10 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from elastictrain.checkpoint.manager import CheckpointManager, EventSink, LoadedCheckpoint
+import torch.distributed as dist
+
+from elastictrain.checkpoint.manager import CheckpointManager, EventSink
+from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotStore
 from elastictrain.config import CheckpointConfig
+from elastictrain.errors import SnapshotError
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.train_state import TrainState
 
@@ -36,25 +42,93 @@ def fingerprint_of(parts: dict[str, Any]) -> dict[str, str]:
             for k, v in parts.items()}
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where the state came from: a checkpoint URL or `snapshot:step-N`; `reseed`: this rank's RNG was not in it."""
+
+    source: str
+    step: int
+    reseed: bool
+
+
 class StateCheckpointer:
-    """Saves a `TrainState` on the configured schedule, at the end and on a stop; restores the newest valid one."""
+    """Saves a `TrainState` on the configured schedule, at the end and on a stop, and snapshots it in node memory
+    (checkpoint.snapshot_every_steps, under our agent); restores from the newest of both tiers."""
 
     def __init__(self, cfg: CheckpointConfig, state: TrainState, heartbeat: Heartbeat, *, rank: int,
                  world_size: int, fingerprint: dict[str, str], metadata: Optional[dict[str, Any]] = None):
-        self.cfg, self.state, self.heartbeat, self.rank = cfg, state, heartbeat, rank
+        self.cfg, self.state, self.heartbeat, self.rank, self.world_size = cfg, state, heartbeat, rank, world_size
+        self._emit = event_sink(heartbeat, rank)
         self.mgr = CheckpointManager(cfg, fingerprint=fingerprint, rank=rank, world_size=world_size,
-                                     on_event=event_sink(heartbeat, rank), extra_metadata=metadata)
+                                     on_event=self._emit, extra_metadata=metadata)
         self._last_saved: Optional[int] = None
+        self.snapshots: Optional[SnapshotStore] = None
+        root = os.environ.get(ENV_SNAPSHOT_DIR)
+        if cfg.snapshot_every_steps and root:
+            identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
+                        "world_size": world_size, "url": cfg.url}
+            self.snapshots = SnapshotStore(root, rank, identity)
+        elif cfg.snapshot_every_steps and rank == 0:
+            log.info("checkpoint.snapshot_every_steps is set but this worker was not started by our agent "
+                     "(no %s): no in-memory snapshots", ENV_SNAPSHOT_DIR)
 
-    def restore(self) -> Optional[LoadedCheckpoint]:
-        """Load the newest valid checkpoint into the state; None when starting fresh."""
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def restore(self) -> Optional[Resumed]:
+        """Load the newest state that exists (a snapshot every rank holds, or a durable checkpoint); None: fresh."""
+        resumed = self._restore_snapshot()
+        if resumed is not None:
+            return resumed
         loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank))
-        if loaded is not None:
-            self._last_saved = loaded.step
-        return loaded
+        if loaded is None:
+            return None
+        self._last_saved = loaded.step
+        return Resumed(loaded.url, loaded.step, bool(loaded.missing_keys) or loaded.world_size != self.world_size)
+
+    def _restore_snapshot(self) -> Optional[Resumed]:
+        if self.snapshots is None or self.cfg.resume != "auto":
+            return None
+        mine, _ = self.snapshots.available()
+        held = self._all_gather(sorted(i.step for i in mine))
+        common = set(held[0]).intersection(*held[1:])
+        if not common:
+            return None
+        step = max(common)
+        durable = self.mgr.newest_step()
+        if durable is not None and durable >= step:
+            return None
+        state = self.state.checkpoint_state(self.rank)
+        try:
+            self.snapshots.restore(next(i for i in mine if i.step == step), state)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        errors = self._all_gather(error)
+        if not any(errors):
+            log.info("resumed from the in-memory snapshot of step %d (newest durable checkpoint: %s)", step, durable)
+            self._emit("checkpoint_snapshot_loaded", {"step": step, "durable_step": durable})
+            self.mgr.restored_elsewhere(state)
+            return Resumed(f"snapshot:step-{step}", step, reseed=False)
+        self.snapshots.drop(step)
+        reason = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        log.warning("not resuming from the in-memory snapshot of step %d: %s", step, reason)
+        self._emit("checkpoint_snapshot_skipped", {"step": step, "reason": reason})
+        if durable is None and not all(errors):
+            # Some ranks hold the snapshot's state, the others a fresh one, and nothing durable overwrites both.
+            raise SnapshotError(f"the in-memory snapshot of step {step} could not be restored ({reason}) and there "
+                                f"is no durable checkpoint; it was dropped, a restart starts over")
+        return None
 
     def after_step(self, *, final: bool, stopping: bool) -> None:
         step = self.state.step
+        every = self.cfg.snapshot_every_steps
+        if self.snapshots is not None and step % every == 0 and not (final or stopping):
+            self._snapshot(step)
         if (final or stopping) and self.cfg.save_on_exit:
             if self._last_saved != step:
                 self._save(blocking=True)
@@ -75,5 +149,16 @@ class StateCheckpointer:
         self._last_saved = step
         self.heartbeat.beat(step, "train")
 
+    def _snapshot(self, step: int) -> None:
+        assert self.snapshots is not None
+        try:
+            self.snapshots.save(step, self.state.checkpoint_state(self.rank))
+        except OSError as e:  # /dev/shm full (reserved before any write: never a SIGBUS), or gone
+            log.warning("in-memory snapshots turned off: the snapshot of step %d failed: %s", step, e)
+            self._emit("checkpoint_snapshot_failed", {"step": step, "error": str(e)})
+            self.snapshots = None
+
     def close(self) -> None:
         self.mgr.close()
+        if self.snapshots is not None:
+            self.snapshots.close()

@@ -145,12 +145,12 @@ class StepLoop:
     def _start(self) -> None:
         w, st = self.worker, self.state
         w.heartbeat.beat(st.step, "load")
-        loaded = self.checkpointer.restore() if self.checkpointer is not None else None
-        if loaded is None:
+        resumed = self.checkpointer.restore() if self.checkpointer is not None else None
+        if resumed is None:
             seed_everything(derive_seed(w.seed, "rank", w.rank))
         else:
-            self.resumed_from = loaded.url
-            if loaded.missing_keys or loaded.world_size != w.world_size:
+            self.resumed_from = resumed.source
+            if resumed.reseed:
                 # This rank's RNG was not in the checkpoint (another world size): derive it from (seed, step, rank).
                 seed_everything(derive_seed(w.seed, "resume", st.step, w.rank))
         self._verify_consistent_start()

@@ -1,0 +1,63 @@
+"""The node's directory for its workers' in-memory snapshots (checkpoint/snapshot.py): made per agent, removed
+when the agent ends, and swept when a later agent finds one whose agent died without removing it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, remove_snapshots
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(?P<run>.+)-(?P<pid>\d+)$")
+
+
+def snapshot_base() -> Path:
+    """Node RAM (/dev/shm) when there is one, else the temp directory; one folder per user."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"elastictrain-snapshots-{os.getuid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_orphans(base: Path) -> list[Path]:
+    """Remove the snapshot folders of agents that are gone (SIGKILLed, a lost node that came back)."""
+    removed = []
+    for d in base.glob("*") if base.is_dir() else ():
+        m = _NAME.match(d.name)
+        if m and not _alive(int(m["pid"])):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def make_snapshot_dir(run_id: str) -> Path:
+    """This agent's folder for `run_id`, exported to its workers (ELASTICTRAIN_SNAPSHOT_DIR); `remove` it at the end."""
+    base = snapshot_base()
+    for d in sweep_orphans(base):
+        log.info("removed the in-memory snapshots of a gone agent: %s", d)
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+    path = base / f"{safe}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.environ[ENV_SNAPSHOT_DIR] = str(path)
+    return path
+
+
+def remove(path: Path) -> None:
+    remove_snapshots(path)
+    if os.environ.get(ENV_SNAPSHOT_DIR) == str(path):
+        del os.environ[ENV_SNAPSHOT_DIR]

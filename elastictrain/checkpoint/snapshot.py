@@ -1,0 +1,224 @@
+"""In-memory snapshots of a rank's train state that outlive the worker process (the T0 tier).
+
+Each rank copies its shard of the full train state (the same content as a durable checkpoint: model and optimizer
+shards, scheduler, data cursor, RNG, step) into files on a node-owned RAM file system (`/dev/shm`, a directory the
+agent creates for the run and removes when the job ends). A restarted worker on the same node finds them there
+and resumes from the step before the crash, without a storage read and without recomputing steps.
+
+Layout, per rank: two slots, each `rank<r>/slot<k>.bin` (the tensors' bytes, back to back), `slot<k>.meta` (pickled
+layout: per tensor its key path, dtype, shape and offset; the non-tensor values) and `slot<k>.json`, the slot's
+commit marker (step, identity, size, CRC-32 of the bytes). A save takes the older slot, removes its marker first,
+writes the bytes and the layout, then renames the new marker into place: a crash in the middle of a copy leaves
+the other slot's snapshot committed, never a torn one. Two slots also let ranks that died one step apart agree on
+a step they all hold. A load checks the identity (run, fingerprint, world size, checkpoint URL) and the CRC;
+anything that does not match is not used, with the reason returned to the caller.
+
+Restoring fills the live state in place: each tensor of a freshly taken state dict (a DTensor's local shard)
+receives the saved bytes, each other value is replaced, then every `Stateful` gets `load_state_dict`. It needs the
+same world size and sharding as the save (the rank's own shard); other cases fall back to the durable tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+ENV_SNAPSHOT_DIR = "ELASTICTRAIN_SNAPSHOT_DIR"
+"""Set by the agent for its workers: the node's directory for this run's snapshots (removed at job end)."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a slot's commit marker says about the snapshot in it."""
+
+    step: int
+    slot: int
+    nbytes: int
+    crc: int
+    identity: dict[str, Any]
+
+
+def _leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, value) of every leaf of nested dicts/lists/tuples."""
+    if isinstance(obj, dict):
+        for k in obj:
+            yield from _leaves(obj[k], (*path, k))
+    elif isinstance(obj, list):  # a tuple is a leaf (immutable: replaced whole on restore)
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def _set(obj: Any, path: tuple, value: Any) -> None:
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _materialise(state: dict[str, Any]) -> dict[str, Any]:
+    """Every top-level value as plain data: a `Stateful`'s `state_dict()`, others as they are."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+def _crc(buf: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(buf.numpy())) if buf.numel() else 0
+
+
+class SnapshotStore:
+    """One rank's snapshots under `<root>/rank<r>`: `save(step, state)`, `available()`, `restore(info, state)`."""
+
+    def __init__(self, root: str | Path, rank: int, identity: dict[str, Any]):
+        self.dir = Path(root) / f"rank{rank}"
+        self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    # --- saving ------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> SnapshotInfo:
+        """Copy `state` (DCP-style: Stateful or plain values) into the older slot, then commit that slot."""
+        held = {i.slot: i.step for i in self._committed()}
+        slot = min((0, 1), key=lambda k: held.get(k, -1))
+        flat = _materialise(state)
+        tensors, objects, layout, offset = [], [], [], 0
+        for path, value in _leaves(flat):
+            if isinstance(value, torch.Tensor):
+                local = _local(value).detach()
+                n = local.numel() * local.element_size()
+                layout.append((path, str(local.dtype).removeprefix("torch."), tuple(local.shape), offset, n))
+                tensors.append(local)
+                offset += n
+            else:
+                objects.append((path, value))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"slot{slot}.json").unlink(missing_ok=True)  # uncommitted from here on
+        buf = self._buffer(slot, offset)
+        for (_, _, _, off, n), t in zip(layout, tensors):
+            if n:
+                buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        with open(self.dir / f"slot{slot}.meta", "wb") as f:
+            pickle.dump({"layout": layout, "objects": objects, "keys": sorted(flat)}, f,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+        info = SnapshotInfo(step=step, slot=slot, nbytes=offset, crc=_crc(buf[:offset]), identity=self.identity)
+        tmp = self.dir / f"slot{slot}.json.tmp"
+        tmp.write_text(json.dumps(asdict(info)))
+        os.replace(tmp, self.dir / f"slot{slot}.json")
+        return info
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The slot's file mapped as uint8 (grown when the state grew); shared, so writes land in the file."""
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            path = self.dir / f"slot{slot}.bin"
+            with open(path, "ab") as f:
+                f.truncate(max(nbytes, 1))
+                # Reserve the pages now: a write through the mapping into a full tmpfs is a SIGBUS, not an error.
+                os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
+            buf = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            self._buffers[slot] = buf
+        return buf
+
+    # --- loading -----------------------------------------------------------------------------------------
+
+    def _committed(self) -> list[SnapshotInfo]:
+        out = []
+        for slot in (0, 1):
+            try:
+                out.append(SnapshotInfo(**json.loads((self.dir / f"slot{slot}.json").read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return out
+
+    def available(self) -> tuple[list[SnapshotInfo], list[str]]:
+        """This job's committed snapshots, newest first, and why any other one is not usable."""
+        usable, why = [], []
+        for info in self._committed():
+            if info.identity != self.identity:
+                differs = sorted(k for k in set(info.identity) | set(self.identity)
+                                 if info.identity.get(k) != self.identity.get(k))
+                why.append(f"snapshot of step {info.step} belongs to another job ({', '.join(differs)} differ)")
+            else:
+                usable.append(info)
+        return sorted(usable, key=lambda i: -i.step), why
+
+    def _read(self, info: SnapshotInfo) -> torch.Tensor:
+        """The slot's bytes, checked against the marker's size and CRC (ValueError naming what is wrong)."""
+        path = self.dir / f"slot{info.slot}.bin"
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise ValueError(f"snapshot of step {info.step} is unreadable: {e}") from None
+        if size < info.nbytes:
+            raise ValueError(f"snapshot of step {info.step} is truncated")
+        buf = torch.from_file(str(path), shared=False, size=max(info.nbytes, 1), dtype=torch.uint8)[:info.nbytes]
+        if _crc(buf) != info.crc:
+            raise ValueError(f"snapshot of step {info.step} is corrupt (CRC mismatch)")
+        return buf
+
+    def restore(self, info: SnapshotInfo, state: dict[str, Any]) -> None:
+        """Fill `state` in place from the snapshot `info` (from `available()`); ValueError, with nothing changed,
+        when it is damaged or does not fit."""
+        buf = self._read(info)
+        try:
+            with open(self.dir / f"slot{info.slot}.meta", "rb") as f:
+                meta = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            raise ValueError(f"snapshot of step {info.step}: unreadable layout ({e})") from None
+        flat = _materialise(state)
+        if sorted(flat) != meta["keys"]:
+            raise ValueError(f"snapshot keys {meta['keys']} differ from the state's {sorted(flat)}")
+        live = dict(_leaves(flat))
+        targets = []
+        for path, dtype, shape, off, n in meta["layout"]:  # check everything before changing anything
+            target = live.get(path)
+            name = "/".join(map(str, path))
+            if not isinstance(target, torch.Tensor):
+                raise ValueError(f"snapshot tensor {name} is not a tensor in the state")
+            local = _local(target)
+            if str(local.dtype).removeprefix("torch.") != dtype or tuple(local.shape) != tuple(shape):
+                raise ValueError(f"snapshot tensor {name} is {dtype}{list(shape)}, the state's "
+                                 f"{local.dtype}{list(local.shape)} (another sharding or model)")
+            targets.append((local, off, n))
+        for local, off, n in targets:
+            if n:
+                local.copy_(buf[off:off + n].view(local.dtype).reshape(local.shape))
+        for path, value in meta["objects"]:
+            _set(flat, path, value)
+        for k, v in state.items():
+            if isinstance(v, Stateful):
+                v.load_state_dict(flat[k])
+            elif isinstance(v, torch.Tensor):
+                continue  # filled in place
+            else:
+                state[k] = flat[k]
+
+    def drop(self, step: int) -> None:
+        """Uncommit this rank's snapshot of `step` (it failed to restore somewhere: never try it again)."""
+        for info in self._committed():
+            if info.step == step:
+                (self.dir / f"slot{info.slot}.json").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._buffers.clear()
+
+
+def remove_snapshots(root: str | Path) -> None:
+    """Remove a run's snapshot directory (the agent, when the job ends or the node leaves)."""
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""In-memory snapshots (checkpoint/snapshot.py): a restore gives back exactly the saved state, a torn, corrupt or
+foreign snapshot is never loaded, and a full /dev/shm turns snapshots off without stopping training."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from elastictrain import ElasticSampler, TrainState
+from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.config import CheckpointConfig
+from elastictrain.runtime.checkpointing import StateCheckpointer
+from elastictrain.runtime.heartbeat import Heartbeat
+
+JOB = {"run": "r1", "fingerprint": {"model": "abc"}, "world_size": 1, "url": "file:///ck"}
+
+
+def _state(seed: int) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    sampler = ElasticSampler(100, global_batch_size=8, micro_batch_size=4)
+    return TrainState(model=model, optim=optim, scheduler=sched, data=sampler), model, optim
+
+
+def _train(state: TrainState, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    state.extras["scheduler"].step()
+    state.extras["data"].advance()
+    state.step += 1
+
+
+def _same(a: TrainState, b: TrainState) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    oa, ob = a.optim.state_dict(), b.optim.state_dict()
+    return (all(torch.equal(sa[k], sb[k]) for k in sa)
+            and all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i])
+            and oa["param_groups"] == ob["param_groups"] and a.step == b.step
+            and a.extras["data"].samples_consumed == b.extras["data"].samples_consumed)
+
+
+def test_a_restore_gives_back_each_of_the_two_newest_states_exactly(tmp_path):
+    state, model, optim = _state(0)
+    store = SnapshotStore(tmp_path, 0, JOB)
+    _train(state, model, optim)
+    store.save(state.step, state.checkpoint_state(0))
+    after_one, _, _ = _state(0)
+    _train(after_one, after_one.model, after_one.optim)
+    _train(state, model, optim)
+    store.save(state.step, state.checkpoint_state(0))
+    available, why = store.available()
+    assert [i.step for i in available] == [2, 1] and not why
+
+    fresh, _, _ = _state(7)  # other initial weights: everything must come from the snapshot
+    store.restore(available[0], fresh.checkpoint_state(0))
+    assert _same(fresh, state)
+    torch.manual_seed(3)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    other, _, _ = _state(8)
+    store.restore(available[1], other.checkpoint_state(0))
+    assert _same(other, after_one) and other.extras["scheduler"].last_epoch == 1
+    del after
+
+
+def test_a_save_interrupted_mid_copy_leaves_the_previous_snapshot_committed(tmp_path):
+    state, model, optim = _state(0)
+    store = SnapshotStore(tmp_path, 0, JOB)
+    for _ in range(2):
+        _train(state, model, optim)
+        store.save(state.step, state.checkpoint_state(0))
+    # A crash in the next save: the older slot's marker is gone first, its bytes half-written.
+    older = min(store.available()[0], key=lambda i: i.step)
+    (tmp_path / "rank0" / f"slot{older.slot}.json").unlink()
+    with open(tmp_path / "rank0" / f"slot{older.slot}.bin", "r+b") as f:
+        f.write(b"\0" * 16)
+    assert [i.step for i in store.available()[0]] == [2]
+    fresh, _, _ = _state(5)
+    store.restore(store.available()[0][0], fresh.checkpoint_state(0))
+    assert _same(fresh, state)
+
+
+def test_a_corrupt_snapshot_is_refused_and_leaves_the_state_untouched(tmp_path):
+    state, model, optim = _state(0)
+    store = SnapshotStore(tmp_path, 0, JOB)
+    _train(state, model, optim)
+    info = store.save(state.step, state.checkpoint_state(0))
+    with open(tmp_path / "rank0" / f"slot{info.slot}.bin", "r+b") as f:
+        f.seek(5)
+        f.write(b"\x7f\x7f")
+    fresh, fmodel, _ = _state(5)
+    before = {k: v.clone() for k, v in fmodel.state_dict().items()}
+    with pytest.raises(ValueError, match="corrupt"):
+        store.restore(info, fresh.checkpoint_state(0))
+    assert all(torch.equal(before[k], v) for k, v in fmodel.state_dict().items()) and fresh.step == 0
+    store.drop(info.step)
+    assert store.available()[0] == []
+
+
+def test_a_snapshot_of_another_job_or_world_size_is_never_offered(tmp_path):
+    state, model, optim = _state(0)
+    _train(state, model, optim)
+    SnapshotStore(tmp_path, 0, JOB).save(1, state.checkpoint_state(0))
+    for other in ({**JOB, "run": "r2"}, {**JOB, "world_size": 2}, {**JOB, "fingerprint": {"model": "xyz"}}):
+        usable, why = SnapshotStore(tmp_path, 0, other).available()
+        assert usable == [] and "belongs to another job" in why[0]
+
+
+def test_a_full_dev_shm_turns_snapshots_off_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    state, model, optim = _state(0)
+    events = []
+    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0),
+                             state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    ckpt._emit = lambda name, fields: events.append((name, fields))
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    _train(state, model, optim)
+    ckpt.after_step(final=False, stopping=False)
+    assert ckpt.snapshots is None
+    assert events and events[0][0] == "checkpoint_snapshot_failed" and "No space left" in events[0][1]["error"]
+    _train(state, model, optim)
+    ckpt.after_step(final=False, stopping=False)  # no second attempt, no error
+    ckpt.close()
