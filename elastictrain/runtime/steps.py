@@ -134,13 +134,23 @@ class StepLoop:
                     break
             finished = True
         finally:
-            # Also when the user leaves the loop early (break, an exception): no save then, but the save in
-            # flight completes and the ledger is closed.
             w.heartbeat.beat(st.step, "done" if finished else "train")
-            if self.checkpointer is not None:
+            if finished:
+                self.close(wait=True)
+            # Else the user left the loop early (break), or an exception is on its way out (a peer died: an async
+            # save in flight may wait forever on it). No save is made; the Worker decides, when its block ends,
+            # whether to wait for the save in flight (no error) or not (`close`).
+
+    def close(self, wait: bool) -> None:
+        """End the loop's checkpointing: wait for the save in flight (`wait`), or abandon it (an error is on its
+        way out: its collectives may never complete); close the sample ledger. Idempotent."""
+        if self.checkpointer is not None:
+            if wait:
                 self.checkpointer.close()
-            if self.ledger is not None:
-                self.ledger.close()
+            self.checkpointer = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
     def _start(self) -> None:
         w, st = self.worker, self.state

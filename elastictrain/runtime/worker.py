@@ -17,6 +17,7 @@ run's ending into the exit code the agent acts on: an `ElastictrainError` that r
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from typing import Any, Optional
@@ -91,6 +92,9 @@ class Worker:
         return self
 
     def close(self) -> None:
+        # The interpreter's final garbage collection walks every object torch and the model made (seconds of CPU
+        # at exit, and a restart or re-form waits for the exit): they live until the process ends anyway.
+        gc.freeze()
         self.stop_flag.uninstall()
         if self.session is not None:
             self.session.close()
@@ -101,6 +105,8 @@ class Worker:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        if self.loop is not None:
+            self.loop.close(wait=exc is None)
         self.close()
         if isinstance(exc, ElastictrainError):
             log.error("%s", exc)
