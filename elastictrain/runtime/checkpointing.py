@@ -124,11 +124,13 @@ class StateCheckpointer:
                                 f"is no durable checkpoint; it was dropped, a restart starts over")
         return None
 
+    def snapshot_if_due(self, final: bool) -> None:
+        """Before the step's all_reduce: once a rank is past it, every rank holds this step's snapshot."""
+        if self.snapshots is not None and not final and self.state.step % self.cfg.snapshot_every_steps == 0:
+            self._snapshot(self.state.step)
+
     def after_step(self, *, final: bool, stopping: bool) -> None:
         step = self.state.step
-        every = self.cfg.snapshot_every_steps
-        if self.snapshots is not None and step % every == 0 and not (final or stopping):
-            self._snapshot(step)
         if (final or stopping) and self.cfg.save_on_exit:
             if self._last_saved != step:
                 self._save(blocking=True)

@@ -7,9 +7,10 @@ user's step it
   rank's RNG (restored from the checkpoint at the same world size, derived from (seed, step, rank) otherwise) and
   checks that every rank starts from the same step, data position, fingerprint and checkpoint;
 * after each step: advances the `ElasticSampler`s of the state, records the step's samples in the sample ledger
-  (when auditing), sends a heartbeat (so the agent's hang detector sees the user's steps), and runs **one small
-  all_reduce** that sums the values passed to `Worker.report` together with three flags: a rank was asked to stop
-  (SIGTERM/SIGINT, a drain), rank 0 relays an operator's "checkpoint now", a rank was asked to pause;
+  (when auditing), takes the in-memory snapshot when due (checkpoint.snapshot_every_steps), sends a heartbeat
+  (so the agent's hang detector sees the user's steps), and runs **one small all_reduce** that sums the values
+  passed to `Worker.report` together with three flags: a rank was asked to stop (SIGTERM/SIGINT, a drain),
+  rank 0 relays an operator's "checkpoint now", a rank was asked to pause;
 * then saves when due (async), or blocking when stopping or at the end; waits at the boundary while paused;
   ends the loop when a stop was agreed (every rank at the same step, state saved).
 """
@@ -197,6 +198,8 @@ class StepLoop:
         for sampler in st.samplers:
             sampler.advance()
         st.step += 1
+        if self.checkpointer is not None:
+            self.checkpointer.snapshot_if_due(final=st.step == self.total)
         stop, ckpt_now, pause = self._reduce()
         self.step_times.append(time.monotonic() - t0)
         w.heartbeat.beat(st.step, "train")

@@ -125,9 +125,9 @@ def test_a_full_dev_shm_turns_snapshots_off_and_training_goes_on(tmp_path, monke
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     _train(state, model, optim)
-    ckpt.after_step(final=False, stopping=False)
+    ckpt.snapshot_if_due(final=False)
     assert ckpt.snapshots is None
     assert events and events[0][0] == "checkpoint_snapshot_failed" and "No space left" in events[0][1]["error"]
     _train(state, model, optim)
-    ckpt.after_step(final=False, stopping=False)  # no second attempt, no error
+    ckpt.snapshot_if_due(final=False)  # no second attempt, no error
     ckpt.close()
