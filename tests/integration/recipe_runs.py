@@ -34,6 +34,22 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def run_nodes(cmd: list[str], nodes: int, cwd: Path, env: dict[str, str],
+              timeout: float = 240) -> tuple[list[int], str]:
+    """Run `nodes` copies of one `elastictrain run` command (the nodes of a job on localhost) to their end; their
+    exit codes and their logs, one after another."""
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(nodes)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], "\n".join(logs)
+
+
 def run_recipe(out: Path, nproc: int, overrides: list[str], timeout: float = 300,
                extra_torchrun: Optional[list[str]] = None) -> dict:
     """Run to completion; return the summary written by rank 0."""

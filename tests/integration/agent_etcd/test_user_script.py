@@ -16,7 +16,7 @@ import pytest
 
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from tests.integration.agent_etcd.job_records import restarts_and_events
-from tests.integration.recipe_runs import REPO, worker_env
+from tests.integration.recipe_runs import REPO, run_nodes, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -111,16 +111,8 @@ def test_a_module_runs_as_a_two_node_job_with_an_elastic_only_config_and_flags_w
     argv = ["--config", str(cfg), "--nproc-per-node", "1", "-m", "plain_train", "--steps", "3",
             "--out", str(tmp_path / "out")]
     env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
-    cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", *argv]
-    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
-    try:
-        logs = [n.communicate(timeout=240)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(logs)[-8000:]
+    codes, logs = run_nodes([sys.executable, "-m", "elastictrain.cli.main", "run", *argv], 2, tmp_path, env)
+    assert codes == [0, 0], logs[-8000:]
     # --nproc-per-node 1 won over the config's 3: two nodes of one worker each.
     assert [(r["rank"], r["world_size"]) for r in _results(tmp_path)] == [(0, 2), (1, 2)]
     used, events = restarts_and_events(etcd.endpoint, run_id)
