@@ -9,6 +9,7 @@ same world size ends bitwise-equal to a run that was never interrupted.
 
 import argparse
 import json
+import logging
 
 import torch
 from torch.distributed.fsdp import fully_shard
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--audit-dir", default=None, help="record every step's samples (the exactly-once audit)")
     p.add_argument("--out", default=None, help="rank 0 writes the final state's digest here (JSON)")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # progress, saves, resume
 
     with et.Worker(seed=0) as w:
         data = make_dataset(4096, a.dim)
