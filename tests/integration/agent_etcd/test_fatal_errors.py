@@ -6,27 +6,28 @@ and the job ended as "crash loop ... exited with code 2, no Python traceback", t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 import uuid
 
 import pytest
 
+from elastictrain.cli.main import main
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from tests.chaos.cluster import Job
 from tests.integration.agent_etcd.job_records import restarts_and_events
-from tests.integration.recipe_runs import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _status(job: Job) -> dict:
-    out = subprocess.run([sys.executable, "-m", "elastictrain.cli.main", "status", "--endpoint", job.endpoint,
-                          "--run-id", job.run_id, "--json", "--no-checkpoint"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 1, out.stdout + out.stderr  # unhealthy
-    return json.loads(out.stdout)
+    """`elastictrain status --json` in this process (a fresh one spends seconds importing torch)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["status", "--endpoint", job.endpoint, "--run-id", job.run_id, "--json", "--no-checkpoint"])
+    assert rc == 1, out.getvalue() + err.getvalue()  # unhealthy
+    return json.loads(out.getvalue())
 
 
 def assert_ended_at_once(job: Job, cause: str) -> None:
@@ -48,7 +49,9 @@ def assert_ended_at_once(job: Job, cause: str) -> None:
 
 def test_checkpoint_of_another_model_shape_ends_the_job_in_one_attempt(tmp_path, etcd):
     ckpt = str(tmp_path / "ckpt")
-    first = Job(tmp_path / "first", etcd.endpoint, f"shape-a-{uuid.uuid4().hex[:6]}", steps=4, ckpt_url=ckpt)
+    # One node of its own (--nnodes 1): as 1 of 1:2 it would wait out the join grace (10 s) for a second one.
+    first = Job(tmp_path / "first", etcd.endpoint, f"shape-a-{uuid.uuid4().hex[:6]}", steps=4, ckpt_url=ckpt,
+                nnodes="1")
     try:
         assert first.wait([first.start_node("a")]) == [0], first.logs()
     finally:
