@@ -10,7 +10,6 @@ and at the same world size ends bitwise-equal to a run that was never interrupte
 
 import argparse
 import json
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -59,7 +58,6 @@ def main() -> None:
     p.add_argument("--audit-dir", default=None, help="record every step's samples (the exactly-once audit)")
     p.add_argument("--out", default=None, help="rank 0 writes the final state's digest here (JSON)")
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # progress, saves, resume
 
     with et.Worker(seed=0) as w:  # seeds every rank alike until the first step: the same initial weights everywhere
         data = TokenWindows(a.data, a.seq_len)
@@ -77,7 +75,7 @@ def main() -> None:
 
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
-                         fingerprint=vars(a) | {"steps": None, "out": None, "audit_dir": None}, **options):
+                         fingerprint={"seq_len": a.seq_len, "hidden": a.hidden, "layers": a.layers}, **options):
             for mb in sampler.micro_batches():
                 tokens = torch.stack([data[i] for i in mb.indices]).to(w.device)
                 model.set_requires_gradient_sync(mb.last)

@@ -9,7 +9,6 @@ same world size ends bitwise-equal to a run that was never interrupted.
 
 import argparse
 import json
-import logging
 
 import torch
 from torch.distributed.fsdp import fully_shard
@@ -37,7 +36,6 @@ def main() -> None:
     p.add_argument("--audit-dir", default=None, help="record every step's samples (the exactly-once audit)")
     p.add_argument("--out", default=None, help="rank 0 writes the final state's digest here (JSON)")
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # progress, saves, resume
 
     with et.Worker(seed=0) as w:
         data = make_dataset(4096, a.dim)
@@ -54,7 +52,7 @@ def main() -> None:
 
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
-                         fingerprint=vars(a) | {"steps": None, "out": None, "audit_dir": None}, **options):
+                         fingerprint={"dim": a.dim, "hidden": a.hidden}, **options):
             for mb in sampler.micro_batches():
                 x, y = (t.to(w.device) for t in data[mb.indices])
                 model.set_requires_gradient_sync(mb.last)

@@ -17,12 +17,14 @@ run's ending into the exit code the agent acts on: an `ElastictrainError` that r
 
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import signal
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from elastictrain.config import CheckpointConfig, checkpoint_config, validate_checkpoint
@@ -38,6 +40,8 @@ from elastictrain.runtime.steps import StepHook, StepLoop
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger(__name__)
+
+_LAST_BARRIER_S = 60.0
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; acted on at the next step boundary, agreed by all ranks."""
@@ -107,6 +111,8 @@ class Worker:
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
         if self.loop is not None:
             self.loop.close(wait=exc is None)
+        if exc is None:
+            self._last_barrier()
         self.close()
         if isinstance(exc, ElastictrainError):
             log.error("%s", exc)
@@ -115,6 +121,17 @@ class Worker:
                 raise SystemExit(exit_fatal(str(exc))) from None
         elif exc is None and self.loop is not None and self.loop.stopped_by_peer:
             raise SystemExit(EXIT_REFORM)
+
+    def _last_barrier(self) -> None:
+        """Leave together: a rank that destroys its process group while a peer still finishes the last collective
+        with it (rank 0 hashing the full state for `digest()`, the others already done) fails that peer's
+        collective ("Connection closed by peer"). Bounded, and never an error: everything is saved by now."""
+        if self.session is None or self.world_size == 1:
+            return
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=_LAST_BARRIER_S))
+        except Exception as e:  # a peer that died or left: nothing to wait for
+            log.debug("final barrier: %s", e)
 
     # --- what the user reads ---------------------------------------------------------------------------
 
@@ -157,6 +174,16 @@ class Worker:
     def metrics(self) -> dict[str, float]:
         """What `report` got in the last finished step, summed over ranks."""
         return dict(self.loop.metrics) if self.loop is not None else {}
+
+    @property
+    def resumed_from(self) -> Optional[str]:
+        """Where the loop's state came from: a checkpoint URL, `snapshot:step-N`, or None (a fresh start)."""
+        return self.loop.resumed_from if self.loop is not None else None
+
+    @property
+    def start_step(self) -> int:
+        """The step the loop started at (0 on a fresh start)."""
+        return self.loop.start_step if self.loop is not None else 0
 
     @property
     def stopped(self) -> bool:
