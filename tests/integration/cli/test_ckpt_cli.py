@@ -2,7 +2,8 @@
 directory and on a real S3 server (`rclone serve s3` on loopback).
 
 One run per storage writes steps 2, 4 and 6 (module scope, ~10-20 s each); tests that change a root work on
-a copy of it. The CLI runs as a subprocess where the test is about what an operator sees.
+a copy of it. The CLI runs as its own process, as an operator runs it: forked from a helper that imported it once
+(tests/integration/cli/forked_cli.py), since thirty fresh interpreters would spend two minutes importing torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ import pytest
 
 from elastictrain.checkpoint.storage import Storage, open_storage
 from elastictrain.testing.s3server import S3Server
+from tests.integration.cli.forked_cli import ForkedCli
 from tests.integration.recipe_runs import REPO, run_recipe
 
 pytestmark = pytest.mark.slow
@@ -42,12 +43,22 @@ class Root:
         return open_storage(self.url, self.storage_options)
 
 
-def cli(root: Root, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m elastictrain.cli.main ckpt ARGV URL FLAGS` as a subprocess (stdin: empty, not a terminal)."""
-    cmd = [sys.executable, "-m", "elastictrain.cli.main", "ckpt", *argv, root.url, *root.flags]
-    full_env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120,
-                          input="")
+@pytest.fixture(scope="module")
+def forked_cli() -> Iterator[ForkedCli]:
+    helper = ForkedCli()
+    yield helper
+    helper.close()
+
+
+@pytest.fixture
+def cli(forked_cli: ForkedCli):
+    def run(root: Root, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """`python -m elastictrain.cli.main ckpt ARGV URL FLAGS` in a process of its own (stdin: empty, not a
+        terminal)."""
+        full_env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", **(env or {})}
+        return forked_cli.run(["ckpt", *argv, root.url, *root.flags], cwd=REPO, env=full_env, input="")
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +113,7 @@ def _flip_byte(root: Root, name: str, offset: int = 1000) -> None:
     st.write_bytes(bytes(data), name)
 
 
-def test_ls_shows_every_step_of_the_run_valid_with_world_size_2(root):
+def test_ls_shows_every_step_of_the_run_valid_with_world_size_2(root, cli):
     r = cli(root, "ls", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -114,7 +125,7 @@ def test_ls_shows_every_step_of_the_run_valid_with_world_size_2(root):
                                                                       ["2", "valid", "2"]]
 
 
-def test_verify_passes_then_a_flipped_byte_fails_it_naming_the_file_and_ls_verify_shows_corrupt(root):
+def test_verify_passes_then_a_flipped_byte_fails_it_naming_the_file_and_ls_verify_shows_corrupt(root, cli):
     r = cli(root, "verify")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3 of 3 checkpoint(s) valid" in r.stdout
@@ -130,7 +141,7 @@ def test_verify_passes_then_a_flipped_byte_fails_it_naming_the_file_and_ls_verif
     assert r.returncode == 0
 
 
-def test_a_truncated_shard_shows_corrupt_in_plain_ls(root):
+def test_a_truncated_shard_shows_corrupt_in_plain_ls(root, cli):
     st = root.storage()
     data = st.read_bytes("step-00000006/__0_0.distcp")
     st.write_bytes(data[:-10], "step-00000006/__0_0.distcp")
@@ -139,7 +150,7 @@ def test_a_truncated_shard_shows_corrupt_in_plain_ls(root):
     assert row.split()[:2] == ["6", "corrupt"] and "__0_0.distcp" in row and "truncated" in row
 
 
-def test_prune_dry_run_deletes_nothing_and_the_real_one_keeps_the_newest(root):
+def test_prune_dry_run_deletes_nothing_and_the_real_one_keeps_the_newest(root, cli):
     r = cli(root, "prune", "--keep-last", "1", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "keeping 1 (6), would delete 2" in r.stdout
@@ -165,7 +176,7 @@ def _digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def test_export_of_the_last_step_loads_in_transformers_with_the_runs_final_parameters(local_run, tmp_path):
+def test_export_of_the_last_step_loads_in_transformers_with_the_runs_final_parameters(local_run, tmp_path, cli):
     from transformers import AutoModelForCausalLM
 
     ckpt, summary = local_run
@@ -201,7 +212,7 @@ def test_export_of_an_earlier_step_from_s3_equals_a_plain_dcp_load_of_that_step(
     assert all(torch.equal(exported[k], template[k]) for k in template)
 
 
-def test_s3_credentials_from_the_aws_environment_and_clear_errors(s3_server, s3_run):
+def test_s3_credentials_from_the_aws_environment_and_clear_errors(s3_server, s3_run, cli):
     bucket, _ = s3_run
     root = Root(url=f"s3://{bucket}/ckpt", flags=[], env={}, storage_options={})
     r = cli(root, "ls", env=s3_server.env())
