@@ -209,7 +209,16 @@ def test_crash_loop_ends_the_job_with_a_clear_error(job):
     assert CHAOS_EXIT_CODE in codes, codes
 
 
-def test_a_node_started_after_the_job_finished_exits_cleanly(job):
+@pytest.fixture
+def lone_job(tmp_path, etcd, run_id):
+    """Nodes that each run alone: a join grace of 1 s, not 10 s, for a second node that is not coming."""
+    j = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=("elastic.join_grace_s=1",))
+    yield j
+    j.teardown()
+
+
+def test_a_node_started_after_the_job_finished_exits_cleanly(lone_job):
+    job = lone_job
     a = job.start_node("a")
     assert job.wait([a]) == [0], job.logs()
     late = job.start_node("late")  # e.g. a replacement a scheduler brought up as the job ended
