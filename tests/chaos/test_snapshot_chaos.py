@@ -11,6 +11,7 @@ import signal
 
 import pytest
 
+from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import signal_worker
 from tests.chaos.cluster import Job
 from tests.chaos.test_agent_chaos import ON_TWO, assert_recovered, events, reference, start_two  # noqa: F401
@@ -29,8 +30,11 @@ def snapshot_job(tmp_path, etcd, run_id):
 
 
 def test_a_killed_worker_resumes_from_the_snapshot_of_the_step_before_the_kill(snapshot_job, reference):  # noqa: F811
+    """...and the agents remove their snapshot folders from node RAM when the job ends."""
     job = snapshot_job
     a, b = start_two(job)
+    held = [d for n in (a, b) for d in snapshot_base().glob(f"*-{n.pid}")]
+    assert held, "each agent keeps its workers' snapshots in a folder named after its run and pid"
     saved = job.valid_checkpoints()
     # A rank's ledger record of step index k means every rank entered the all_reduce of step index k-1, which
     # each enters after its snapshot of the state with k steps done: every rank holds that one.
@@ -44,15 +48,4 @@ def test_a_killed_worker_resumes_from_the_snapshot_of_the_step_before_the_kill(s
     assert summary["start_step"] >= reached, (summary["start_step"], reached)
     loaded = [e for e in events(job) if e.kind == "checkpoint_snapshot_loaded"]
     assert loaded and loaded[-1].fields["step"] == summary["start_step"], loaded
-
-
-def test_the_agent_removes_its_snapshots_when_the_job_ends(snapshot_job):
-    from elastictrain.agent.snapshots import snapshot_base
-
-    job = snapshot_job
-    a, b = job.start_node("a"), job.start_node("b")
-    job.wait_for_step(3, world_size=2)
-    held = [d for d in snapshot_base().glob(f"*-{a.pid}")] + [d for d in snapshot_base().glob(f"*-{b.pid}")]
-    assert held, "each agent keeps its workers' snapshots in a folder named after its run and pid"
-    assert job.wait([a, b]) == [0, 0], job.logs()
     assert not [d for d in held if d.exists()], "snapshots left in node RAM after the job ended"

@@ -1,5 +1,5 @@
 """Chaos on a user's script: examples/train_mlp.py (the public API, no recipe) under `elastictrain run`, 2 nodes on
-localhost with a real etcd, one fault per test: the recipe's guarantees (tests/chaos/test_agent_chaos.py) hold for
+localhost with a real etcd: the recipe's guarantees (tests/chaos/test_agent_chaos.py) hold for
 any script written on `elastictrain.Worker`.
 
 Each test asserts the job finishes (exit 0), the fault landed mid-run (a later launch re-ran steps of an earlier
@@ -25,6 +25,7 @@ from tests.integration.agent_etcd.job_records import restarts_and_events
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FAULT_STEP = 9  # checkpoints every 4 steps: the restarted group resumes from step 8
+SECOND_FAULT_STEP = 17  # past the restarted group's first checkpoint (12) and the next (16)
 ON_TWO = {s: 2 for s in range(STEPS)}
 STEP_FLOOR = {ENV_CHAOS: "slow@ms=100"}
 """Every step lasts at least 0.1 s, so a fault sent once step 9 is seen lands before the job ends, on a fast machine
@@ -86,13 +87,20 @@ def assert_bitwise(summary: dict, reference: dict) -> None:
         assert reference[key] and summary[key] == reference[key], f"final {key} state differs from the reference's"
 
 
-def test_worker_sigkill_restarts_the_script_and_ends_bitwise_identical(job, reference):
+def test_a_killed_then_a_stopped_worker_restart_the_script_and_it_ends_bitwise_identical(job, reference):
+    """Two faults in one job (one 2-node run instead of two): a worker SIGKILL, then, once the restarted group is
+    past the next checkpoint, a worker SIGSTOP that the agent must call hung (after its 3 s floor)."""
     a, b = start_two(job)
     signal_worker(job, b, signal.SIGKILL)
+    job.wait_for_step(SECOND_FAULT_STEP, world_size=2)
+    stopped = signal_worker(job, b, signal.SIGSTOP)
     assert job.wait([a, b]) == [0, 0], job.logs()
     assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
+    assert len({r["launch"] for r in job.records()}) >= 3, "both faults landed mid-run (three launches)"
     used, events = restarts_and_events(job.endpoint, job.run_id)
-    assert used >= 1 and any(e.kind == "failure" for e in events), [(e.kind, e.fields) for e in events]
+    assert used >= 2 and any(e.kind == "failure" for e in events), [(e.kind, e.fields) for e in events]
+    hangs = [e for e in events if e.kind == "hang"]
+    assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
 
 
 def test_node_sigkilled_and_rejoined_by_the_same_command_ends_bitwise_identical(job, reference):
@@ -102,16 +110,6 @@ def test_node_sigkilled_and_rejoined_by_the_same_command_ends_bitwise_identical(
     b2 = job.start_node("b-rejoined", STEP_FLOOR)
     assert job.wait([a, b2]) == [0, 0], job.logs()
     assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
-
-
-def test_sigstopped_worker_is_declared_hung_and_the_script_ends_bitwise_identical(job, reference):
-    a, b = start_two(job)
-    stopped = signal_worker(job, b, signal.SIGSTOP)  # called hung after the agents' 3 s floor (cluster.HANG_FLOOR_S)
-    assert job.wait([a, b]) == [0, 0], job.logs()
-    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
-    _, events = restarts_and_events(job.endpoint, job.run_id)
-    hangs = [e for e in events if e.kind == "hang"]
-    assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
 
 
 def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_once(job):
