@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, remove_snapshots
+from elastictrain.runtime.heartbeat import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -24,22 +25,12 @@ def snapshot_base() -> Path:
     return base / f"elastictrain-snapshots-{os.getuid()}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_orphans(base: Path) -> list[Path]:
     """Remove the snapshot folders of agents that are gone (SIGKILLed, a lost node that came back)."""
     removed = []
     for d in base.glob("*") if base.is_dir() else ():
         m = _NAME.match(d.name)
-        if m and not _alive(int(m["pid"])):
+        if m and not pid_alive(int(m["pid"])):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed

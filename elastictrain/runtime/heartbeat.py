@@ -252,14 +252,15 @@ def die_with_parent(expected_parent_pid: int) -> None:
     # The agent may have died before prctl ran: the signal will then never come, so check by hand.
     if os.getppid() == expected_parent_pid:
         return
-    if not _pid_alive(expected_parent_pid):
+    if not pid_alive(expected_parent_pid):
         log.error("agent (pid %d) died before this worker started; exiting", expected_parent_pid)
         os._exit(1)
     log.warning("worker's parent is pid %d, not the agent (pid %d): a wrapper process sits between them; "
                 "this worker dies with the wrapper, not directly with the agent", os.getppid(), expected_parent_pid)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (ours or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
