@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -222,3 +223,16 @@ class ScriptJob(Job):
     def expected_samples(self, step: int) -> list[int]:
         """What an uninterrupted run consumes at `step` (the script's sampler: seed 0)."""
         return expected_samples(step, self.num_samples, seed=0, global_batch=self.global_batch)
+
+
+@dataclass
+class Reference:
+    """An uninterrupted 2-node run: its summary and its checkpoints (every 4 steps, all kept)."""
+
+    summary: dict
+    ckpt_url: str
+
+    def checkpoint(self, step: int) -> str:
+        found = [c.url for c in list_checkpoints(open_storage(self.ckpt_url)) if c.valid and c.step == step]
+        assert found, f"the reference has no checkpoint of step {step}"
+        return found[0]

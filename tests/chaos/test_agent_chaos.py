@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 import signal
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,11 @@ import pytest
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.status import read_events
 from elastictrain.chaos.process_signals import drain_node, signal_worker
-from elastictrain.checkpoint.discovery import list_checkpoints
-from elastictrain.checkpoint.storage import open_storage
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.injected_faults import CHAOS_EXIT_CODE, ENV_CHAOS
-from tests.chaos.cluster import STEPS, Job, expected_samples
+from tests.chaos.cluster import STEPS, Job, Reference, expected_samples
 from tests.integration.recipe_runs import assert_same_train_state, run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -39,34 +35,6 @@ WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
 """The survivor waits (up to 60 s) for the node that left to come back, so every step runs on 2 ranks. With the
 default (0) it goes on alone and the re-started node comes in by a scale-up: steps on 1 rank in between, when and
 how many depending on the machine's speed."""
-
-
-@dataclass
-class Reference:
-    """An uninterrupted 2-node run: its summary and its checkpoints (every 4 steps, all kept)."""
-
-    summary: dict
-    ckpt_url: str
-
-    def checkpoint(self, step: int) -> str:
-        found = [c.url for c in list_checkpoints(open_storage(self.ckpt_url)) if c.valid and c.step == step]
-        assert found, f"the reference has no checkpoint of step {step}"
-        return found[0]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, _etcd_session_server) -> Reference:
-    """An uninterrupted run of the same job on 2 nodes."""
-    job = Job(tmp_path_factory.mktemp("reference"), _etcd_session_server.endpoint, f"ref-{uuid.uuid4().hex[:8]}")
-    try:
-        nodes = [job.start_node("a"), job.start_node("b")]
-        assert job.wait(nodes) == [0, 0], job.logs()
-        summary = job.summary()
-        assert summary["world_size"] == 2 and summary["start_step"] == 0 and summary["final_step"] == STEPS
-        job.assert_world_sizes(ON_TWO)  # a split start (one node alone, the other by scale-up) is no reference
-        return Reference(summary, job.ckpt_url)
-    finally:
-        job.teardown()
 
 
 @pytest.fixture

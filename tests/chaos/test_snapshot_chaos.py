@@ -14,7 +14,7 @@ import pytest
 from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import signal_worker
 from tests.chaos.cluster import Job
-from tests.chaos.test_agent_chaos import ON_TWO, assert_recovered, events, reference, start_two  # noqa: F401
+from tests.chaos.test_agent_chaos import ON_TWO, assert_recovered, events, start_two
 from tests.integration.recipe_runs import assert_same_train_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -29,7 +29,7 @@ def snapshot_job(tmp_path, etcd, run_id):
     j.teardown()
 
 
-def test_a_killed_worker_resumes_from_the_snapshot_of_the_step_before_the_kill(snapshot_job, reference):  # noqa: F811
+def test_a_killed_worker_resumes_from_the_snapshot_of_the_step_before_the_kill(snapshot_job, reference):
     """...and the agents remove their snapshot folders from node RAM when the job ends."""
     job = snapshot_job
     a, b = start_two(job)
