@@ -50,6 +50,9 @@ _DIE_WITH_PARENT_EXEC = (
 )
 
 
+_PORT_ATTEMPTS = 3
+
+
 class EmbeddedEtcd:
     """Run one etcd member bound to loopback; stop it (by PID) and delete its data at exit.
 
@@ -77,6 +80,8 @@ class EmbeddedEtcd:
         self._die_with_caller = die_with_caller
         self.port = port or free_port(host)
         self.peer_port = peer_port or free_port(host)
+        # Ports we picked may be taken by another process before etcd binds them: then we pick again.
+        self._auto_ports = port is None and peer_port is None and initial_cluster is None
         self._own_data_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastictrain-etcd-")
         self._extra_args = list(extra_args or [])
@@ -121,6 +126,32 @@ class EmbeddedEtcd:
         """
         if self._proc is not None and self._proc.poll() is None:
             return self
+        for attempt in range(_PORT_ATTEMPTS):
+            self._launch()
+            if not wait:
+                return self
+            try:
+                self.wait_healthy()
+                return self
+            except RendezvousError:
+                if attempt + 1 == _PORT_ATTEMPTS or not self._lost_port_race():
+                    raise
+            logger.info("etcd's ports %d/%d were taken before it bound them; retrying on others",
+                        self.port, self.peer_port)
+            self.port, self.peer_port = free_port(self.host), free_port(self.host)
+        return self
+
+    def _lost_port_race(self) -> bool:
+        """The server exited at start because a port we picked was taken meanwhile (not the caller's ports)."""
+        if not self._auto_ports or self._proc is None or self._proc.poll() is None:
+            return False
+        try:
+            with open(self._log_path, errors="replace") as f:
+                return "address already in use" in f.read()
+        except OSError:
+            return False
+
+    def _launch(self) -> None:
         client_url = f"{self._scheme}://{self.host}:{self.port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         cmd = [
@@ -153,9 +184,6 @@ class EmbeddedEtcd:
         # A caller that forgets close() (or exits on an exception) must not leave etcd running.
         atexit.register(self.close)
         logger.info("started etcd pid=%s on %s (data %s)", self._proc.pid, client_url, self.data_dir)
-        if wait:
-            self.wait_healthy()
-        return self
 
     def wait_healthy(self) -> None:
         """Block until the server reports healthy; RendezvousError after the startup timeout."""
