@@ -225,8 +225,14 @@ class JobConfig:
             "data": {k: v for k, v in self.to_dict()["data"].items()},
             "seed": self.train.seed,
         }
-        return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
-                for k, v in parts.items()}
+        return fingerprint_parts(parts)
+
+
+def fingerprint_parts(parts: dict[str, Any]) -> dict[str, str]:
+    """A checkpoint fingerprint from plain data: strings as given, any other value as a short hash of its JSON."""
+    return {str(k): v if isinstance(v, str) else
+            hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for k, v in parts.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------

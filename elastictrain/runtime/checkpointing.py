@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -33,13 +31,6 @@ def event_sink(heartbeat: Heartbeat, rank: int) -> EventSink:
             # Durations to the millisecond: what an operator reads, and a shorter datagram.
             heartbeat.event(name, **{k: round(v, 3) if isinstance(v, float) else v for k, v in fields.items()})
     return sink
-
-
-def fingerprint_of(parts: dict[str, Any]) -> dict[str, str]:
-    """A checkpoint fingerprint from plain data (the user's config): strings as given, else a short hash of each."""
-    return {str(k): v if isinstance(v, str) else
-            hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
-            for k, v in parts.items()}
 
 
 @dataclass(frozen=True)

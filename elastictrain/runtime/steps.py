@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from elastictrain.config import CheckpointConfig
+from elastictrain.config import CheckpointConfig, fingerprint_parts
 from elastictrain.errors import CheckpointError, ConfigError
 from elastictrain.runtime.audit import SampleLedger
-from elastictrain.runtime.checkpointing import StateCheckpointer, fingerprint_of
+from elastictrain.runtime.checkpointing import StateCheckpointer
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
@@ -93,7 +93,7 @@ class StepLoop:
         self.start_step = 0
         self.stopped = self.stopped_by_peer = False
         self._pending: dict[str, Any] = {}
-        self._fingerprint = fingerprint_of(fingerprint or {})
+        self._fingerprint = fingerprint_parts(fingerprint or {})
         self.checkpointer: Optional[StateCheckpointer] = None
         if checkpoint is not None and checkpoint.url:
             self.checkpointer = StateCheckpointer(
