@@ -207,13 +207,6 @@ def _succeeded(client: EtcdClient, run_prefix: str) -> bool:
         return False
 
 
-def add_run_parser(sub: Any) -> None:
-    """`run` in `elastictrain --help`; its command line is parsed by `main_run` (everything after a script is the
-    script's)."""
-    sub.add_parser("run", add_help=False, help="run a job on this node: the recipe from a YAML config, or your own "
-                   "script (run the same command on every node)", description=__doc__.split("\n\n")[0])
-
-
 def run_help() -> str:
     """`elastictrain run --help`: our config sources, then torchrun's and our flags."""
     parser = get_args_parser(ElasticConfig())

@@ -10,13 +10,17 @@ from elastictrain.errors import ElastictrainError
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from elastictrain.agent.job import add_run_parser
-
-    add_run_parser(sub)
+    """`run` in `elastictrain --help`; `main_run` parses its command line (everything after a script is the
+    script's), so the agent's modules (and torch) are not imported for other commands."""
+    sub.add_parser("run", add_help=False, help="run a job on this node: the recipe from a YAML config, or your own "
+                   "script (run the same command on every node)",
+                   description="`elastictrain run`: one node of a job (see `elastictrain run --help`).")
 
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: `elastictrain run` starts its spare workers before anything imports torch.
+    # None of these imports torch (tests/unit/test_layers.py checks), so operator commands start in a fraction of
+    # a second.
     from elastictrain.cli import chaos, ckpt, control, dashboard, events, status
 
     p = argparse.ArgumentParser(prog="elastictrain", description="Elastic, fault-tolerant PyTorch training.")

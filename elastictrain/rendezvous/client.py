@@ -28,7 +28,6 @@ import grpc
 from pyetcd import exceptions as etcd_exc
 from pyetcd import transactions as tx
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastictrain.errors import RendezvousError
 from elastictrain.rendezvous.settings import EtcdSettings
@@ -56,8 +55,12 @@ _TRANSIENT_EXC = (
 )
 
 
-class EtcdUnavailableError(RendezvousError, RendezvousConnectionError):
-    """etcd stayed unreachable longer than allowed; torch's agent treats it as a connection error."""
+class EtcdUnavailableError(RendezvousError):
+    """etcd stayed unreachable longer than allowed.
+
+    Not a subclass of torch's `RendezvousConnectionError`: that would import torch into every operator command
+    (`status`, `events`, ...) that only talks to etcd. The rendezvous handler catches both.
+    """
 
 
 def _grpc_error(exc: BaseException) -> grpc.RpcError | None:

@@ -44,7 +44,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastictrain.rendezvous.backend import EtcdV3Backend
-from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.client import EtcdClient, EtcdUnavailableError
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings, conf_seconds
 from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
@@ -110,7 +110,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         try:
             with self._client.tolerance(_PERIODIC_TOLERANCE_S):
                 waiting = super().num_nodes_waiting()
-        except RendezvousConnectionError:
+        except (RendezvousConnectionError, EtcdUnavailableError):
             if self._outage_since is None:
                 self._outage_since = now
                 logger.warning("etcd unreachable; training goes on, retrying")

@@ -216,5 +216,7 @@ def test_sigterm_to_agent_stops_even_a_sigstopped_worker_promptly(agent_run):
     elapsed = time.monotonic() - t_fault
     print(f"agent and workers gone {elapsed:.2f}s after SIGTERM")
     assert all(_gone(p["pid"]) for p in progress.values())
-    assert elapsed < 5.0
+    # The defect this guards against is torch's 30 s shutdown wait on a stopped worker; the agent's own path takes
+    # ~2-3 s on a quiet machine and 5 s was seen on a loaded 2-core CI box. 15 s still tells the two apart.
+    assert elapsed < 15.0
     assert run.first("leave")["outcome"] == "signal SIGTERM"
