@@ -26,9 +26,10 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -93,38 +94,71 @@ class SnapshotStore:
         self.dir = Path(root) / f"rank{rank}"
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
         self._buffers: dict[int, torch.Tensor] = {}
+        self._pending: Optional[_Copy] = None
+        self.last: Optional[SnapshotInfo] = None
+        """The newest snapshot this store committed."""
 
     # --- saving ------------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> SnapshotInfo:
-        """Copy `state` (DCP-style: Stateful or plain values) into the older slot, then commit that slot."""
+    def save(self, step: int, state: dict[str, Any], later: frozenset[int] = frozenset()) -> Optional[SnapshotInfo]:
+        """Copy `state` (DCP-style: Stateful or plain values) into the older slot, then commit that slot.
+
+        Tensors whose storage (`storage_key`) is in `later` are copied on a copy thread while the caller goes on;
+        the slot is committed when the thread is done (`wait()`). The caller promises not to change them in place
+        before `wait()` returns (the step loop passes the optimizer's parameters and state, and waits in an
+        optimizer-step pre-hook). Everything else (buffers a forward pass may change, RNG, Python values) is copied
+        before `save` returns. The previous save is waited for first. Returns the commit info when nothing was
+        deferred.
+        """
+        self.wait()
         held = {i.slot: i.step for i in self._committed()}
         slot = min((0, 1), key=lambda k: held.get(k, -1))
         flat = _materialise(state)
-        tensors, objects, layout, offset = [], [], [], 0
+        copies: list[tuple[torch.Tensor, int, int, bool]] = []  # (tensor, offset, bytes, deferred)
+        objects, layout, offset = [], [], 0
         for path, value in _leaves(flat):
             if isinstance(value, torch.Tensor):
                 local = _local(value).detach()
                 n = local.numel() * local.element_size()
                 layout.append((path, str(local.dtype).removeprefix("torch."), tuple(local.shape), offset, n))
-                tensors.append(local)
+                if n:
+                    copies.append((local, offset, n, storage_key(local) in later))
                 offset += n
             else:
                 objects.append((path, value))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"slot{slot}.json").unlink(missing_ok=True)  # uncommitted from here on
         buf = self._buffer(slot, offset)
-        for (_, _, _, off, n), t in zip(layout, tensors):
-            if n:
-                buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        _copy_into(buf, [c for c in copies if not c[3]])
         with open(self.dir / f"slot{slot}.meta", "wb") as f:
             pickle.dump({"layout": layout, "objects": objects, "keys": sorted(flat)}, f,
                         protocol=pickle.HIGHEST_PROTOCOL)
-        info = SnapshotInfo(step=step, slot=slot, nbytes=offset, checksum=_checksum(buf[:offset]),
+        deferred = [c for c in copies if c[3]]
+        if not deferred:
+            return self._commit(step, slot, buf, offset)
+        ready = None
+        if any(t.is_cuda for t, *_ in deferred):
+            ready = torch.cuda.Event()
+            ready.record()  # the copy stream starts after the work queued so far (the optimizer step)
+        self._pending = _Copy(self, step, slot, buf, offset, deferred, ready)
+        return None
+
+    def wait(self) -> Optional[SnapshotInfo]:
+        """Finish the save in flight, if any: its commit info, or the error that stopped it (raised once)."""
+        pending, self._pending = self._pending, None
+        return pending.join() if pending is not None else None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def _commit(self, step: int, slot: int, buf: torch.Tensor, nbytes: int) -> SnapshotInfo:
+        info = SnapshotInfo(step=step, slot=slot, nbytes=nbytes, checksum=_checksum(buf[:nbytes]),
                             identity=self.identity)
         tmp = self.dir / f"slot{slot}.json.tmp"
         tmp.write_text(json.dumps(asdict(info)))
         os.replace(tmp, self.dir / f"slot{slot}.json")
+        self.last = info
         return info
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -221,7 +255,56 @@ class SnapshotStore:
                 (self.dir / f"slot{info.slot}.json").unlink(missing_ok=True)
 
     def close(self) -> None:
+        """Wait for the copy in flight (an error is logged: the snapshot stays uncommitted), release the buffers."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - closing: the slot stays uncommitted, nothing else to do
+            log.warning("the last in-memory snapshot was not completed: %s", e)
         self._buffers.clear()
+
+
+class _Copy:
+    """The deferred part of one save, on its own thread: the copies, then the checksum and the commit marker."""
+
+    def __init__(self, store: SnapshotStore, step: int, slot: int, buf: torch.Tensor, nbytes: int,
+                 copies: list[tuple[torch.Tensor, int, int, bool]], ready: Optional[Any]):
+        self.info: Optional[SnapshotInfo] = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(store, step, slot, buf, nbytes, copies, ready),
+                                        name=f"snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, store: SnapshotStore, step: int, slot: int, buf: torch.Tensor, nbytes: int,
+             copies: list[tuple[torch.Tensor, int, int, bool]], ready: Optional[Any]) -> None:
+        try:
+            if ready is not None:  # device tensors: copy on a side stream once the step's kernels are done
+                stream = torch.cuda.Stream()
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    _copy_into(buf, copies)
+                stream.synchronize()
+            else:
+                _copy_into(buf, copies)
+            self.info = store._commit(step, slot, buf, nbytes)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self.error = e
+
+    def join(self) -> SnapshotInfo:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies a tensor's memory: its storage's address (a DTensor's local shard's)."""
+    return _local(t).untyped_storage().data_ptr()
+
+
+def _copy_into(buf: torch.Tensor, copies: list[tuple[torch.Tensor, int, int, bool]]) -> None:
+    for t, off, n, _ in copies:
+        buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def remove_snapshots(root: str | Path) -> None:

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from elastictrain.checkpoint.manager import CheckpointManager, EventSink
-from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotStore
+from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotStore, storage_key
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import SnapshotError
 from elastictrain.runtime.heartbeat import Heartbeat
@@ -54,11 +57,15 @@ class StateCheckpointer:
                                      on_event=self._emit, extra_metadata=metadata)
         self._last_saved: Optional[int] = None
         self.snapshots: Optional[SnapshotStore] = None
+        self._hook: Optional[RemovableHandle] = None
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
                         "world_size": world_size, "url": cfg.url}
             self.snapshots = SnapshotStore(root, rank, identity)
+            # Parameters and optimizer state are copied while the next step's forward and backward run; its
+            # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
+            self._hook = register_optimizer_step_pre_hook(lambda *_: self._finish_snapshot())
         elif cfg.snapshot_every_steps and rank == 0:
             log.info("checkpoint.snapshot_every_steps is set but this worker was not started by our agent "
                      "(no %s): no in-memory snapshots", ENV_SNAPSHOT_DIR)
@@ -145,13 +152,38 @@ class StateCheckpointer:
     def _snapshot(self, step: int) -> None:
         assert self.snapshots is not None
         try:
-            self.snapshots.save(step, self.state.checkpoint_state(self.rank))
+            self.snapshots.save(step, self.state.checkpoint_state(self.rank), later=self._optimizer_storages())
         except OSError as e:  # /dev/shm full (reserved before any write: never a SIGBUS), or gone
-            log.warning("in-memory snapshots turned off: the snapshot of step %d failed: %s", step, e)
-            self._emit("checkpoint_snapshot_failed", {"step": step, "error": str(e)})
-            self.snapshots = None
+            self._snapshots_off(step, e)
+
+    def _optimizer_storages(self) -> frozenset[int]:
+        """The tensors only `optimizer.step()` changes in place: its parameters and its state."""
+        optim = self.state.optim
+        if optim is None:
+            return frozenset()
+        tensors = [p for group in optim.param_groups for p in group["params"]]
+        tensors += [v for per_param in optim.state.values() for v in per_param.values() if isinstance(v, Tensor)]
+        return frozenset(storage_key(t) for t in tensors)
+
+    def _finish_snapshot(self) -> None:
+        """Wait for the snapshot copy in flight, if any (before anything changes what it copies)."""
+        if self.snapshots is None or not self.snapshots.in_flight:
+            return
+        try:
+            self.snapshots.wait()
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not fail the step
+            self._snapshots_off(None, e)
+
+    def _snapshots_off(self, step: Optional[int], e: BaseException) -> None:
+        what = f"the snapshot of step {step}" if step is not None else "a snapshot copy"
+        log.warning("in-memory snapshots turned off: %s failed: %s", what, e)
+        self._emit("checkpoint_snapshot_failed", {"step": step if step is not None else self.state.step,
+                                                  "error": str(e)})
+        self.snapshots = None
 
     def close(self) -> None:
         self.mgr.close()
+        if self._hook is not None:
+            self._hook.remove()
         if self.snapshots is not None:
             self.snapshots.close()

@@ -127,3 +127,36 @@ def test_a_full_dev_shm_turns_snapshots_off_and_training_goes_on(tmp_path, monke
     _train(state, model, optim)
     ckpt.snapshot_if_due(final=False)  # no second attempt, no error
     ckpt.close()
+
+
+def test_parameters_are_copied_during_the_next_step_and_its_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
+    """The snapshot overlaps the next step's forward/backward, yet holds exactly the state at the step it names."""
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(6)))  # 25 MB (+50 MB of Adam state)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optim=optim)
+    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0),
+                             state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 1024)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            state.step += 1
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+            ckpt.snapshot_if_due(final=False)
+            assert ckpt.snapshots.in_flight, "parameters and optimizer state are copied off the training path"
+            model(torch.randn(2, 1024)).sum().backward()  # the next step runs while the copy does
+            optim.step()  # ...but its optimizer step waits for the copy before changing what it copies
+            assert not ckpt.snapshots.in_flight
+        newest = ckpt.snapshots.available()[0][0]
+        assert newest.step == 2
+        fresh = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(6)))
+        fresh_state = TrainState(model=fresh, optim=torch.optim.AdamW(fresh.parameters(), lr=0.1))
+        ckpt.snapshots.restore(newest, fresh_state.checkpoint_state(0))
+        assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
+    finally:
+        ckpt.close()
+    model(torch.randn(2, 1024)).sum().backward()
+    optim.step()  # the hook is gone with the checkpointer
