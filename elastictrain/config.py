@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 import warnings
@@ -102,6 +104,8 @@ class TrainConfig:
 
 DEFAULT_STORAGE_WAIT_S = 300.0
 """The longest start-up wait for unreachable checkpoint storage when `checkpoint.storage_wait_s` is left open."""
+DEFAULT_SNAPSHOT_FS_FRACTION = 0.5
+"""`checkpoint.snapshot_memory` when left open: this fraction of the RAM file system that holds the snapshots."""
 
 
 @dataclass
@@ -115,6 +119,13 @@ class CheckpointConfig:
     snapshot_every_steps: int = 0
     """In-memory snapshot of every rank's state every N steps, in node RAM (/dev/shm) that outlives the worker: a
     worker restarted by our agent resumes from it without a storage read (0: off; docs/checkpoints.md)."""
+    snapshot_memory: Union[int, float, str, None] = None
+    """The most RAM the snapshots may take on one node: bytes (an integer, or a size such as 8GiB or 500MB) or,
+    as a number in (0, 1], a fraction of the node's RAM (or of its container's memory limit, when lower). None:
+    DEFAULT_SNAPSHOT_FS_FRACTION (half) of the RAM file system that holds them (/dev/shm), leaving the rest to
+    what else uses it (NCCL's shared-memory transport, DataLoader workers). Checked before the first snapshot:
+    two slots per local rank, plus a peer's replica when replicated, must fit in it and in the file system's free
+    space (checkpoint/snapshot_budget.py)."""
     keep_last: int = 3
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: off)."""
@@ -466,6 +477,7 @@ def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> Non
                     "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
         if v < 0:
             raise ConfigError(f"{name} must be >= 0 (got {v}); 0 turns it off")
+    parse_memory_size(c.snapshot_memory, "checkpoint.snapshot_memory")
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last must be >= 1 (got {c.keep_last}): the newest valid checkpoint "
                           f"is always kept")
@@ -480,6 +492,38 @@ def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> Non
                           f"rank 0's storage check in a collective")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNIT = {"b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")},
+         **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")}}
+
+
+def _size_parts(value: Union[int, float, str]) -> tuple[Optional[float], str]:
+    """(number, lower-case unit or "") of a memory setting; (None, "") when it is neither a number nor a size."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value), ""
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    return (float(m[1]), (m[2] or "").lower()) if m else (None, "")
+
+
+def parse_memory_size(value: Union[int, float, str, None], where: str) -> Union[int, float, None]:
+    """A memory setting as bytes (an int) or a fraction of the node's RAM (a float in (0, 1]); None stays None.
+
+    A plain number up to 1 is a fraction and a bigger one is bytes, whatever its YAML type (`1` and `1.0`
+    alike: a budget of one byte is never what was meant); a size with a unit (B, KB..TB, KiB..TiB) is bytes.
+    """
+    if value is None:
+        return None
+    number, unit = _size_parts(value)
+    if number is not None and math.isfinite(number) and number > 0:
+        if not unit and number <= 1:
+            return number
+        nbytes = number * _UNIT[unit or "b"]
+        if unit or nbytes.is_integer():  # 1.5 bytes is a typo; 1.5GiB is a size
+            return int(nbytes)
+    raise ConfigError(f"{where}={value!r}: expected bytes (an integer, or a size such as 8GiB or 500MB) or a "
+                      f"fraction of the node's RAM in (0, 1] such as 0.25; e.g. --set {where}=8GiB")
 
 
 def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0) -> CheckpointConfig:

@@ -7,29 +7,20 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, remove_snapshots
+from elastictrain.checkpoint.snapshot_folders import RUN_FOLDER, snapshot_base
 from elastictrain.runtime.heartbeat import pid_alive
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^(?P<run>.+)-(?P<pid>\d+)$")
-
-
-def snapshot_base() -> Path:
-    """Node RAM (/dev/shm) when there is one, else the temp directory; one folder per user."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"elastictrain-snapshots-{os.getuid()}"
 
 
 def sweep_orphans(base: Path) -> list[Path]:
     """Remove the snapshot folders of agents that are gone (SIGKILLed, a lost node that came back)."""
     removed = []
     for d in base.glob("*") if base.is_dir() else ():
-        m = _NAME.match(d.name)
+        m = RUN_FOLDER.match(d.name)
         if m and not pid_alive(int(m["pid"])):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)

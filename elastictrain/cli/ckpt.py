@@ -4,6 +4,9 @@ Every command takes the checkpoint root URL the job writes to (`checkpoint.url`:
 or another fsspec protocol). For s3 the endpoint and credentials come from `--storage-option` first, then from the
 standard AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).
 
+`ckpt ls` also shows the in-memory snapshot tier on the node it runs on (cli/ckpt_snapshots.py): the job's
+snapshots when there are any, every run folder with `--snapshots`.
+
 Exit codes: 0 success; 1 `verify` found a torn or corrupt checkpoint; 2 usage, storage or checkpoint error
 (one line on stderr, `elastictrain: error: ...`, printed by cli.main).
 """
@@ -17,12 +20,15 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from elastictrain.checkpoint.discovery import CheckpointInfo, list_checkpoints, verify_files
 from elastictrain.checkpoint.manifest import MARKER_NAME, parse_step_dir, sha256_stream
 from elastictrain.checkpoint.retention import plan_retention
+from elastictrain.checkpoint.snapshot_folders import snapshot_base
 from elastictrain.checkpoint.storage import Storage, explain_storage_error, open_storage
+from elastictrain.cli.ckpt_snapshots import root_key, snapshot_tier
 from elastictrain.errors import CheckpointError, ElastictrainError, StorageError
 
 log = logging.getLogger(__name__)
@@ -191,9 +197,41 @@ def describe(info: CheckpointInfo, now: Optional[float] = None) -> dict[str, Any
     }
 
 
+def _snapshot_table(tier: dict[str, Any], url: str) -> str:
+    """The snapshot tier as a table, one row per committed snapshot (or per rank that has none)."""
+    rows = []
+    for f in tier["folders"]:
+        agent = "-" if f["agent_pid"] is None else f"{f['agent_pid']} {'alive' if f['agent_alive'] else 'gone'}"
+        for r in f["ranks"]:
+            lead = [Path(f["folder"]).name, agent, str(r["rank"])]
+            rows += [[*lead, str(s["step"]), str(s["world_size"] or "-"), human_bytes(s["bytes"]),
+                      "" if root_key(str(s["url"])) == root_key(url) else f"job of {s['url']}"]
+                     for s in r["snapshots"]] or [[*lead, "-", "-", "-", "nothing committed"]]
+    head = f"in-memory snapshots on this node ({tier['base']})"
+    if not rows:
+        return f"{head}: none\n"
+    return f"{head}\n" + table(["FOLDER", "AGENT", "RANK", "STEP", "WORLD", "SIZE", "NOTE"], rows)
+
+
+def _durable(storage: Storage, tolerate_none: bool) -> tuple[list[CheckpointInfo], Optional[str]]:
+    """The root's checkpoints; with `tolerate_none`, none is a note rather than an error (a job that snapshots
+    every step holds snapshots well before its first durable save)."""
+    try:
+        return load_checkpoints(storage), None
+    except StorageError:
+        raise
+    except CheckpointError as e:
+        if not tolerate_none:
+            raise
+        return [], str(e)
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     storage = open_root(args.url, args.storage_option)
-    checkpoints = load_checkpoints(storage)
+    base = Path(args.snapshot_base) if args.snapshot_base else snapshot_base()
+    tier = snapshot_tier(base, None if args.snapshots else storage.url)
+    show_tier = args.snapshots or bool(tier["folders"])
+    checkpoints, note = _durable(storage, tolerate_none=show_tier)
     if args.verify:
         # A flipped byte keeps every size right: only reading the data back (what verify does) shows it.
         for c in checkpoints:
@@ -202,13 +240,19 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 c.status, c.reason = "corrupt", "; ".join(problems)
     rows = [describe(c) for c in checkpoints]
     if args.json:
-        _json_out({"url": storage.url, "checkpoints": rows})
+        _json_out({"url": storage.url, "checkpoints": rows, **({"note": note} if note else {}),
+                   **({"snapshots": tier} if show_tier else {})})
         return 0
     body = [[str(r["step"]), r["status"], str(r["world_size"] or "-"), human_bytes(r["bytes"]),
              human_age(r["age_s"]) if r["age_s"] is not None else "-",
              (r["written_at"] or "-").replace("+00:00", "Z"), str(r["files"]), r["reason"] or ""] for r in rows]
-    _out(f"{storage.url}\n")
-    _out(table(["STEP", "STATUS", "WORLD", "SIZE", "AGE", "WRITTEN (UTC)", "FILES", "NOTE"], body))
+    if note:
+        _out(f"{storage.url}: {note}\n")
+    else:
+        _out(f"{storage.url}\n")
+        _out(table(["STEP", "STATUS", "WORLD", "SIZE", "AGE", "WRITTEN (UTC)", "FILES", "NOTE"], body))
+    if show_tier:
+        _out("\n" + _snapshot_table(tier, storage.url))
     return 0
 
 
@@ -394,13 +438,22 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
                        description="Operate on the checkpoints under a checkpoint root (the job's checkpoint.url).")
     csub = p.add_subparsers(dest="ckpt_command", required=True, metavar="{ls,verify,prune,export,now}")
 
-    ls = csub.add_parser("ls", help="list checkpoints, newest first (one listing, no checksum reads)",
+    ls = csub.add_parser("ls", help="list checkpoints, newest first (one listing, no checksum reads), and the "
+                                    "job's in-memory snapshots on this node",
                          description="One listing plus the small marker and manifest of each committed checkpoint: "
-                                     "missing and truncated files show; a flipped byte needs --verify (or verify).")
+                                     "missing and truncated files show; a flipped byte needs --verify (or verify). "
+                                     "Then the job's in-memory snapshots on this node, if any (their commit "
+                                     "markers: rank, step, size, and whether the owning agent is alive).")
     _common(ls)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.add_argument("--verify", action="store_true",
                     help="also read every file back and mark checksum mismatches corrupt (reads all the data)")
+    ls.add_argument("--snapshots", action="store_true",
+                    help="show every in-memory snapshot folder on this node, of any job, even when there is none "
+                         "(by default the job's snapshots show when this node holds some)")
+    ls.add_argument("--snapshot-base", default=None, metavar="DIR",
+                    help="where this node's agents keep their snapshot folders (default: "
+                         "/dev/shm/elastictrain-snapshots-<uid>)")
     ls.set_defaults(func=_cmd_ls)
 
     v = csub.add_parser("verify", help="read every file back and check it against the manifest's sha256",

@@ -1,0 +1,96 @@
+"""The snapshot memory budget (checkpoint/snapshot_budget.py, `checkpoint.snapshot_memory`): a node whose snapshots
+do not fit in the budget or in the free space of the file system that holds them stops before its first snapshot
+with one line naming the numbers and the fix; one whose snapshots fit goes on. Real `statvfs` on a temp directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.checkpoint.snapshot_budget import check_snapshot_budget, host_memory_bytes, ram_per_state_gb
+from elastictrain.checkpoint.snapshot_folders import bytes_held
+from elastictrain.config import load_config, parse_memory_size
+from elastictrain.errors import ConfigError
+
+MiB = 1 << 20
+JOB = {"run": "r1", "fingerprint": {"model": "abc"}, "world_size": 2, "url": "file:///ck"}
+
+
+def test_a_budget_too_small_for_two_slots_per_rank_stops_with_the_numbers_and_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        check_snapshot_budget(100 * MiB, local_ranks=2, budget="300MiB", folder=tmp_path, replica=False)
+    msg = str(e.value)
+    assert "need 419430400 bytes" in msg and "2 slots x 2 local rank(s) x 100.00 MiB" in msg
+    assert "checkpoint.snapshot_memory allows 314572800 bytes" in msg and "set to 300MiB" in msg
+    assert "raise checkpoint.snapshot_memory" in msg and "fewer ranks per node" in msg
+    assert "checkpoint.snapshot_every_steps=0" in msg
+    assert "--shm-size" not in msg  # the file system has room: only the budget is short
+    assert not e.value.restartable  # a restart cannot make it fit: the job stops with the message
+    assert "\n" not in msg
+
+
+def test_a_peer_replica_needs_a_third_slot_per_rank(tmp_path):
+    check_snapshot_budget(100 * MiB, local_ranks=1, budget="250MiB", folder=tmp_path, replica=False)
+    with pytest.raises(ConfigError, match=r"need 314572800 bytes .*\(2 slots \+ a peer node's replica\)"):
+        check_snapshot_budget(100 * MiB, local_ranks=1, budget="250MiB", folder=tmp_path, replica=True)
+
+
+def test_snapshots_larger_than_the_free_space_stop_even_within_the_budget(tmp_path):
+    fs = os.statvfs(tmp_path)
+    per_rank = fs.f_bavail * fs.f_frsize // 2 + (1 << 30)  # two slots: 2 GiB more than is free
+    with pytest.raises(ConfigError) as e:
+        check_snapshot_budget(per_rank, local_ranks=1, budget="1000TiB", folder=tmp_path, replica=False)
+    msg = str(e.value)
+    assert f"need {2 * per_rank} bytes" in msg and f"the file system under {tmp_path} has" in msg
+    assert "free" in msg and "docker run --shm-size" in msg and "checkpoint.snapshot_every_steps=0" in msg
+    assert "raise checkpoint.snapshot_memory" not in msg  # the budget is not what is short
+
+
+def test_snapshots_that_fit_pass_and_the_budget_counts_exactly_what_the_store_writes(tmp_path):
+    state = {"model": {"w": torch.zeros(1000, 250)}, "optim": {"m": torch.zeros(1000, 500)}, "step": 3}
+    per_rank = (1000 * 250 + 1000 * 500) * 4
+    for rank in (0, 1):
+        store = SnapshotStore(tmp_path, rank, JOB)
+        for step in (1, 2, 3):
+            store.save(step, state)
+        store.close()
+    written = sum(p.stat().st_size for p in tmp_path.glob("rank*/slot*.bin"))
+    plan = check_snapshot_budget(per_rank, local_ranks=2, budget=written, folder=tmp_path, replica=False)
+    assert plan.needed == written == 2 * 2 * per_rank
+    with pytest.raises(ConfigError):
+        check_snapshot_budget(per_rank, local_ranks=2, budget=written - 1, folder=tmp_path, replica=False)
+    # A restarted worker checks again with its slots already written: they count as room, not as used.
+    assert bytes_held(tmp_path) >= written
+
+
+def test_the_default_budget_is_half_of_the_file_system_and_a_fraction_is_of_the_nodes_ram(tmp_path):
+    fs = os.statvfs(tmp_path)
+    plan = check_snapshot_budget(1, local_ranks=1, budget=None, folder=tmp_path, replica=False)
+    assert plan.budget == fs.f_blocks * fs.f_frsize // 2 and "unset: 0.5 of the" in plan.budget_from
+    plan = check_snapshot_budget(1, local_ranks=1, budget="0.25", folder=tmp_path, replica=False)
+    assert plan.budget == int(host_memory_bytes() * 0.25) and 0 < host_memory_bytes() <= os.sysconf(
+        "SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_ram_each_node_needs_per_gb_of_train_state():
+    assert ram_per_state_gb() == 2.0  # one node: two slots of the whole state
+    assert ram_per_state_gb(nodes=1, replica=True) == 3.0
+    assert ram_per_state_gb(nodes=8, replica=True) == 3 / 8  # each node holds its eighth, and a peer's eighth
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("8GiB", 8 << 30), ("500MB", 500_000_000), ("1.5 GiB", 3 << 29), ("8589934592", 8 << 30),
+    ("0.25", 0.25), ("1", 1.0),
+])  # fmt: skip
+def test_snapshot_memory_takes_sizes_bytes_and_fractions(value, expected):
+    cfg = load_config(None, [f"checkpoint.snapshot_memory={value}"])
+    assert parse_memory_size(cfg.checkpoint.snapshot_memory, "x") == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1GiB", "1.5", "8g", "lots", "true", ".inf"])
+def test_a_bad_snapshot_memory_names_the_field_and_the_fix(value):
+    with pytest.raises(ConfigError, match=r"checkpoint\.snapshot_memory.*(8GiB|expected)"):
+        load_config(None, [f"checkpoint.snapshot_memory={value}"])
