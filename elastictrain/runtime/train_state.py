@@ -51,6 +51,54 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard, without DTensor.to_local()'s autograd call
+    return local.data_ptr()
+
+
+class ReusedModelState(ModelState):
+    """`ModelState` whose state dict is built by torch's helpers once and reused while it still holds the live
+    tensors (its values share their memory, so in-place updates show through). torch's helpers resolve every
+    parameter's name on each call (25 ms for a two-layer model, more with more parameters), which an every-step
+    snapshot would otherwise pay every step. Only for reading: a load goes through a fresh `ModelState`."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self._cached: Optional[dict[str, Any]] = None
+        self._signature: tuple = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        signature = tuple(_storage_ptr(t) for t in (*self.model.parameters(), *self.model.buffers()))
+        if self._cached is None or signature != self._signature:
+            self._cached, self._signature = super().state_dict(), signature
+        return self._cached
+
+
+class ReusedOptimizerState(OptimizerState):
+    """`OptimizerState` reused like `ReusedModelState`, with the hyperparameters (a scheduler changes the learning
+    rate in place of the group's value) read again on every call."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__(model, optimizer)
+        self._cached: Optional[dict[str, Any]] = None
+        self._signature: tuple = ()
+
+    def _sign(self) -> tuple:
+        state = self.optimizer.state
+        return (len(self.optimizer.param_groups),
+                tuple((id(p), k, _storage_ptr(v) if isinstance(v, torch.Tensor) else repr(v))
+                      for p, per_param in state.items() for k, v in per_param.items()))
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._cached is None or self._sign() != self._signature:
+            self._cached = super().state_dict()
+            self._signature = self._sign()  # after: torch's helper creates the state of a fresh optimizer
+        else:
+            for cached, live in zip(self._cached["param_groups"], self.optimizer.param_groups):
+                cached.update({k: v for k, v in live.items() if k != "params"})
+        return self._cached
+
+
 class CallbackState(Stateful):
     """Adapts a (get, set) pair to Stateful, for small plain-data state (trainer progress, RNG)."""
 
@@ -94,6 +142,7 @@ class TrainState:
                                 f"give it those two methods (torch's Stateful protocol) or leave it out")
         self.model, self.optim, self.extras = model, optim, dict(extras)
         self.step = 0
+        self._reused: dict[str, Stateful] = {}
 
     @property
     def samplers(self) -> list[ElasticSampler]:
@@ -106,14 +155,20 @@ class TrainState:
     def _load_progress(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
 
-    def checkpoint_state(self, rank: int, include_rng: bool = True) -> dict[str, Any]:
-        """The DCP state dict of this rank (Stateful values: read at save time, filled in place at load)."""
+    def checkpoint_state(self, rank: int, include_rng: bool = True, reuse: bool = False) -> dict[str, Any]:
+        """The DCP state dict of this rank (Stateful values: read at save time, filled in place at load).
+
+        `reuse`: for a save every step (snapshots): the model's and optimizer's state dicts are built once and
+        reused while they hold the live tensors (`ReusedModelState`); never for a load.
+        """
         out: dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = ModelState(self.model)
+            out["model"] = self._reused.setdefault("model", ReusedModelState(self.model)) if reuse \
+                else ModelState(self.model)
         if self.optim is not None:
             assert self.model is not None
-            out["optim"] = OptimizerState(self.model, self.optim)
+            out["optim"] = self._reused.setdefault("optim", ReusedOptimizerState(self.model, self.optim)) if reuse \
+                else OptimizerState(self.model, self.optim)
         out.update(self.extras)
         out["trainer"] = CallbackState(self._progress, self._load_progress)
         if include_rng:

@@ -130,7 +130,8 @@ def test_a_full_dev_shm_turns_snapshots_off_and_training_goes_on(tmp_path, monke
 
 
 def test_parameters_are_copied_during_the_next_step_and_its_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
-    """The snapshot overlaps the next step's forward/backward, yet holds exactly the state at the step it names."""
+    """The snapshot overlaps the next step's forward/backward, yet holds exactly the state at the step it names
+    (the model's and optimizer's state dicts are built once and reused: the values must still be today's)."""
     monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(6)))  # 25 MB (+50 MB of Adam state)
@@ -144,7 +145,9 @@ def test_parameters_are_copied_during_the_next_step_and_its_optimizer_step_waits
             optim.step()
             optim.zero_grad()
             state.step += 1
+            optim.param_groups[0]["lr"] = 0.1 / state.step  # as a scheduler does, between snapshots
             expected = {k: v.clone() for k, v in model.state_dict().items()}
+            expected_optim = {k: v.clone() for k, v in optim.state[next(model.parameters())].items()}
             ckpt.snapshot_if_due(final=False)
             assert ckpt.snapshots.in_flight, "parameters and optimizer state are copied off the training path"
             model(torch.randn(2, 1024)).sum().backward()  # the next step runs while the copy does
@@ -156,6 +159,9 @@ def test_parameters_are_copied_during_the_next_step_and_its_optimizer_step_waits
         fresh_state = TrainState(model=fresh, optim=torch.optim.AdamW(fresh.parameters(), lr=0.1))
         ckpt.snapshots.restore(newest, fresh_state.checkpoint_state(0))
         assert all(torch.equal(expected[k], v) for k, v in fresh.state_dict().items())
+        restored = fresh_state.optim.state[next(fresh.parameters())]
+        assert all(torch.equal(expected_optim[k], restored[k]) for k in expected_optim)
+        assert fresh_state.optim.param_groups[0]["lr"] == 0.05, "the learning rate of the step the snapshot names"
     finally:
         ckpt.close()
     model(torch.randn(2, 1024)).sum().backward()
