@@ -29,7 +29,7 @@ import shutil
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -90,8 +90,12 @@ def _checksum(buf: torch.Tensor) -> int:
 class SnapshotStore:
     """One rank's snapshots under `<root>/rank<r>`: `save(step, state)`, `available()`, `restore(info, state)`."""
 
-    def __init__(self, root: str | Path, rank: int, identity: dict[str, Any]):
+    def __init__(self, root: str | Path, rank: int, identity: dict[str, Any],
+                 check_room: Optional[Callable[[int], None]] = None):
+        """`check_room(bytes)`: called before the slots are first reserved, and when the state grew (it raises
+        when the node cannot hold them: `snapshot_budget.room_check`)."""
         self.dir = Path(root) / f"rank{rank}"
+        self._check_room, self._room_checked = check_room, 0
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
         self._buffers: dict[int, torch.Tensor] = {}
         self._pending: Optional[_Copy] = None
@@ -127,6 +131,9 @@ class SnapshotStore:
             else:
                 objects.append((path, value))
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self._check_room is not None and offset > self._room_checked:
+            self._check_room(offset)
+            self._room_checked = offset
         (self.dir / f"slot{slot}.json").unlink(missing_ok=True)  # uncommitted from here on
         buf = self._buffer(slot, offset)
         _copy_into(buf, [c for c in copies if not c[3]])

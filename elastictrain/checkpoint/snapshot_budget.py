@@ -7,10 +7,11 @@ into swap and the OOM killer. Plain arithmetic on sizes and `os.statvfs`: no tor
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Callable, Union
 
 from elastictrain.checkpoint.snapshot_folders import bytes_held
 from elastictrain.config import DEFAULT_SNAPSHOT_FS_FRACTION, parse_memory_size
@@ -22,6 +23,8 @@ written."""
 REPLICA_SLOTS_PER_RANK = 1
 """With peer replicas, a node also holds one copy of the newest snapshot of each rank of one peer node (which runs
 as many ranks as this one)."""
+
+log = logging.getLogger(__name__)
 
 _FIELD = "checkpoint.snapshot_memory"
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -119,3 +122,14 @@ def check_snapshot_budget(state_bytes_per_rank: int, local_ranks: int, budget: U
                       f"rank(s) x {_human(state_bytes_per_rank)} of train state per rank) but {' and '.join(why)}; "
                       f"{' and '.join(fix)}, run fewer ranks per node, or turn snapshots off with "
                       f"checkpoint.snapshot_every_steps=0")
+
+
+def room_check(budget: Union[int, float, str, None], folder: Path, local_ranks: int,
+               replica: bool) -> Callable[[int], None]:
+    """The check a `SnapshotStore` runs before it first reserves its slots (and when the state grows): raises
+    `check_snapshot_budget`'s ConfigError, logs the numbers once when they fit."""
+    def check(state_bytes_per_rank: int) -> None:
+        plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica)
+        log.info("in-memory snapshots need %s on this node of %s allowed (%s), %s free", _human(plan.needed),
+                 _human(plan.budget), plan.budget_from, _human(plan.available))
+    return check
