@@ -41,6 +41,11 @@ class SnapshotError(CheckpointError):
     restartable = True
 
 
+class SnapshotReplicaError(CheckpointError):
+    """A snapshot could not be copied to or from a peer node's agent: unreachable, refused, or its bytes did not
+    match their checksum. Replication and restore treat it as "no replica" (local-only, or the durable tier)."""
+
+
 class StorageFullError(StorageError):
     """Checkpoint storage has no space left: a condition that may pass, not a misconfiguration."""
 

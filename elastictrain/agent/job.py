@@ -16,11 +16,13 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -31,12 +33,14 @@ from elastictrain.agent.agent import ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPolicy
 from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
+from elastictrain.agent.replication import Replicator
 from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
 from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events
 from elastictrain.config import ElasticConfig, JobConfig, load_config, load_elastic
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
+from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 
@@ -137,7 +141,8 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                              lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
         stack.callback(relay.close)
         os.environ.update(relay.env())  # the workers inherit the agent's environment
-        stack.callback(snapshots.remove, snapshots.make_snapshot_dir(run_id))  # node RAM: gone with the job
+        snapshot_dir = snapshots.make_snapshot_dir(run_id)
+        stack.callback(snapshots.remove, snapshot_dir)  # node RAM: gone with the job
 
         def on_agent(agent: ElasticAgent) -> None:
             nonlocal publisher
@@ -149,6 +154,11 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             publisher.attach(agent)
             stack.callback(publisher.close)
             relay.attach(agent)
+            liveness = getattr(agent.get_worker_group().spec.rdzv_handler, "liveness", None)
+            if liveness is not None:
+                _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
+                           request.config.local_addr or socket.getfqdn(),
+                           lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
             if request.metrics_port:
                 from elastictrain.agent.metrics import AgentCollector, MetricsServer
 
@@ -191,6 +201,17 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                       why or "the job has ended on another node; see `elastictrain events`")
             return _exit_code(why)
     return 0
+
+
+def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,
+               host: str, emit: Callable[[str, dict[str, Any]], None]) -> None:
+    """Peer replicas of this node's snapshots, served on `host` (where torch's rendezvous says this node is reached:
+    --local-addr, else its host name); a server that cannot start leaves snapshots local-only, never the job down."""
+    try:
+        stack.callback(Replicator(folder, client, run_prefix, liveness, host, emit).close)
+    except OSError as e:
+        log.warning("in-memory snapshots stay local-only: no replica server on %s (%s); set --local-addr to an "
+                    "address of this node that the other nodes reach", host, e)
 
 
 def _exit_code(error: Optional[AgentError]) -> int:

@@ -47,6 +47,7 @@ class NodeLiveness:
         self._thread: threading.Thread | None = None
         self._watch_id: int | None = None
         self._watch_broken = threading.Event()
+        self._info: dict[str, Any] = {}
 
     @property
     def key(self) -> str:
@@ -76,6 +77,12 @@ class NodeLiveness:
             except Exception:  # noqa: BLE001 - etcd may be gone at exit; the lease expires anyway
                 logger.debug("lease revoke failed", exc_info=True)
 
+    def publish(self, **info: Any) -> None:
+        """Add fields to this node's record (e.g. where its snapshot replica server listens), bound to its lease."""
+        self._info.update(info)
+        if self._lease_id is not None:
+            self._client.put(self.key, self._record(), lease=self._lease_id)
+
     def alive_nodes(self) -> set[str]:
         """Node ids whose record this process has seen and not seen deleted."""
         with self._alive_lock:
@@ -101,7 +108,7 @@ class NodeLiveness:
 
     def _record(self) -> bytes:
         return json.dumps(
-            {"node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+            {**self._info, "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
         ).encode()
 
     def _register(self) -> None:

@@ -1,0 +1,178 @@
+"""Peer replicas of the node's in-memory snapshots: each local rank's newest committed snapshot is copied to the
+agent of the next node in the job's ring, so that a lost node's state survives on its peer.
+
+The ring: the live agents of the job that run a replica server (their etcd node records `nodes/<node>`, bound to
+their leases, so a lost agent leaves the ring when its lease expires), sorted by node id; each node sends to the
+next and receives from the one before. One thread polls the snapshot folder every `POLL_S` and sends each rank's
+newest committed slot once (in chunks, one transfer at a time: the workers lose nothing but the copy's share of
+CPU and memory bandwidth). A snapshot counts as replicated when the peer has confirmed its checksum. A peer that
+cannot be reached costs nothing but the replica: training goes on with local-only snapshots, retried with backoff,
+reported once per streak (`checkpoint_snapshot_replica_failed`); the first replica on each new peer is reported
+too (`checkpoint_snapshot_replicated`), every later one only at debug level.
+
+The same thread keeps `peers.json` in the folder current (every live agent's server, for a restarting worker that
+lacks its rank's snapshot: checkpoint/replica_fetch.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from elastictrain.checkpoint.replica_server import ReplicaServer
+from elastictrain.checkpoint.replica_wire import Peer, PeerList, SlotReader, committed_markers, push, safe_node
+from elastictrain.errors import SnapshotReplicaError
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.liveness import NodeLiveness
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""How often the folder is checked for newly committed snapshots: the replica's lag behind the snapshot beyond
+the transfer itself (a few small file reads per rank per poll)."""
+MEMBERS_S = 1.0
+"""How often the ring is re-read from etcd."""
+SEND_TIMEOUT_S = 10.0
+"""How long one send may stall (per socket operation) before the peer counts as unreachable; the ring is not
+re-read meanwhile."""
+RETRY_MAX_S = 5.0
+"""The longest wait before trying an unreachable peer again (doubling from four polls)."""
+
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+
+
+class Replicator:
+    """Runs the node's replica server (its address and token in this node's etcd record) and sends the local
+    ranks' snapshots to the ring peer; `close()` stops both."""
+
+    def __init__(self, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness, host: str,
+                 emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S):
+        self.folder, self.client, self.node, self.poll_s = folder, client, liveness.node_id, poll_s
+        self._nodes_prefix = f"{run_prefix.rstrip('/')}/nodes/"
+        self._emit = emit
+        self.server = ReplicaServer(folder, host, self.node, secrets.token_hex(16))
+        self._liveness = liveness
+        self._published = False
+        self.peer: Optional[Peer] = None
+        """The ring peer this node's snapshots go to; None while it is alone (local-only)."""
+        self._peers: Optional[list[Peer]] = None
+        self._sent: dict[int, tuple[str, int, int]] = {}
+        """rank -> (peer node, step, checksum) of the newest replica that peer confirmed."""
+        self._announced: Optional[str] = None
+        self._failing: Optional[str] = None
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._stop = threading.Event()
+        self.refresh_members()
+        self._thread = threading.Thread(target=self._loop, name="snapshot-replicator", daemon=True)
+        self._thread.start()
+
+    def refresh_members(self) -> None:
+        """Re-read the ring from etcd: `peers.json` and the ring peer follow (an etcd error keeps the last ring)."""
+        try:
+            if not self._published:
+                self._liveness.publish(replica=asdict(self.server.peer()))
+                self._published = True
+            records = self.client.get_prefix(self._nodes_prefix, tolerance=MEMBERS_S)
+        except Exception as e:  # noqa: BLE001 - etcd down: keep replicating to the peer we know
+            log.debug("could not publish or read the job's node records: %s", e)
+            return
+        peers = []
+        for key, raw in records.items():
+            try:
+                peer = Peer(**json.loads(raw)["replica"])
+            except (ValueError, TypeError, KeyError):
+                continue  # an agent without a replica server (plain torchrun, an older version)
+            if peer.node == key[len(self._nodes_prefix):] and safe_node(peer.node):
+                peers.append(peer)
+        peers.sort(key=lambda p: p.node)
+        if peers != self._peers:
+            self._peers = peers
+            PeerList(self.node, peers).write(self.folder)
+        others = [p for p in peers if p.node != self.node]
+        peer = next((p for p in others if p.node > self.node), others[0] if others else None)
+        if peer != self.peer:
+            log.info("in-memory snapshots of node %s now replicate to %s", self.node,
+                     peer.node if peer is not None else "no peer (alone in the job: local-only)")
+            self.peer, self._backoff, self._retry_at = peer, 0.0, 0.0
+
+    def replicate(self) -> None:
+        """Send each local rank's newest committed snapshot that the ring peer has not confirmed yet."""
+        peer = self.peer
+        if peer is None or time.monotonic() < self._retry_at:
+            return
+        for rank, rank_dir in self._ranks():
+            newest = committed_markers(rank_dir)[:1]
+            if not newest or self._sent.get(rank) == (peer.node, newest[0]["step"], newest[0]["checksum"]):
+                continue
+            reader = SlotReader.open(rank_dir, newest[0]["slot"])
+            if reader is not None and not self._send(peer, rank, reader):
+                return
+
+    def _ranks(self) -> Iterator[tuple[int, Path]]:
+        try:
+            dirs = sorted(self.folder.iterdir())
+        except OSError:
+            return
+        for d in dirs:
+            m = _RANK_DIR.match(d.name)
+            if m:
+                yield int(m[1]), d
+
+    def _send(self, peer: Peer, rank: int, reader: SlotReader) -> bool:
+        step, started = reader.marker["step"], time.monotonic()
+        try:
+            confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S)
+        except SnapshotReplicaError as e:
+            self._failed(peer, rank, step, e)
+            return False
+        if confirmed is None:
+            log.debug("rank %d's snapshot of step %d was rewritten while being sent; sending the newer one", rank, step)
+            return True
+        self._sent[rank] = (peer.node, step, confirmed)
+        self._backoff = 0.0
+        fields = {"peer": peer.node, "rank": rank, "step": step, "bytes": reader.nbytes,
+                  "seconds": round(time.monotonic() - started, 3)}
+        if self._announced != peer.node:
+            self._announced, self._failing = peer.node, None
+            log.info("in-memory snapshots replicate to node %s (rank %d, step %d: %d bytes in %.3fs)", peer.node,
+                     rank, step, reader.nbytes, fields["seconds"])
+            self._emit("checkpoint_snapshot_replicated", fields)
+        else:
+            log.debug("replicated %s", fields)
+        return True
+
+    def _failed(self, peer: Peer, rank: int, step: int, error: SnapshotReplicaError) -> None:
+        self._backoff = min(RETRY_MAX_S, max(4 * self.poll_s, 2 * self._backoff))
+        self._retry_at = time.monotonic() + self._backoff
+        if self._failing == peer.node:
+            log.debug("replica to %s failed again: %s", peer.node, error)
+            return
+        self._failing, self._announced = peer.node, None
+        log.warning("in-memory snapshots are local-only: rank %d's snapshot of step %d could not be replicated to "
+                    "node %s (%s); training goes on, retrying", rank, step, peer.node, error)
+        self._emit("checkpoint_snapshot_replica_failed", {"peer": peer.node, "rank": rank, "step": step,
+                                                          "error": str(error)})
+
+    def _loop(self) -> None:
+        members_at = time.monotonic() + MEMBERS_S
+        while not self._stop.wait(self.poll_s):
+            try:
+                if time.monotonic() >= members_at:
+                    self.refresh_members()
+                    members_at = time.monotonic() + MEMBERS_S
+                self.replicate()
+            except Exception:  # noqa: BLE001 - replication is best effort; never end the thread
+                log.exception("snapshot replication failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)  # a send stalled on a cut-off peer must not hold up the agent's exit
+        self.server.close()
