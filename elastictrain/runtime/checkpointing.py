@@ -13,9 +13,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from elastictrain.checkpoint.manager import CheckpointManager, EventSink
-from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotStore, storage_key
+from elastictrain.checkpoint.replica_fetch import Offer, fetch_offer, find_offers
+from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotInfo, SnapshotStore, storage_key
 from elastictrain.config import CheckpointConfig
-from elastictrain.errors import SnapshotError
+from elastictrain.errors import SnapshotError, SnapshotReplicaError
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.train_state import TrainState
 
@@ -43,6 +44,23 @@ class Resumed:
     source: str
     step: int
     reseed: bool
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one rank could restore from: the steps of its snapshots (its own, or a peer's copy), and why any other
+    snapshot it found does not serve."""
+
+    steps: tuple[int, ...]
+    why: tuple[str, ...]
+
+
+def _none_in_common(held: list[_Held], shown: int = 8) -> str:
+    """Why no snapshot serves: what each rank holds (the first few ranks)."""
+    parts = [f"rank {r}: {', '.join(map(str, h.steps)) or 'none'}" + (f" ({'; '.join(h.why)})" if h.why else "")
+             for r, h in enumerate(held[:shown])]
+    more = f"; {len(held) - shown} more ranks" if len(held) > shown else ""
+    return f"no step is held by every rank ({'; '.join(parts)}{more})"
 
 
 class StateCheckpointer:
@@ -91,36 +109,61 @@ class StateCheckpointer:
     def _restore_snapshot(self) -> Optional[Resumed]:
         if self.snapshots is None or self.cfg.resume != "auto":
             return None
-        mine, _ = self.snapshots.available()
-        held = self._all_gather(sorted(i.step for i in mine))
-        common = set(held[0]).intersection(*held[1:])
+        mine, why = self.snapshots.available()
+        offers: dict[int, Offer] = {}
+        if not mine:  # a lost node's rank, or one that moved at a re-form: a peer's agent may hold its snapshot
+            offers, more = find_offers(self.snapshots.dir.parent, self.rank, self.snapshots.identity)
+            why += more
+        held = self._all_gather(_Held(tuple(sorted({i.step for i in mine} | set(offers))), tuple(why)))
+        common = set(held[0].steps).intersection(*(h.steps for h in held[1:]))
         if not common:
+            if any(h.steps or h.why for h in held):
+                self._skip_snapshot(None, _none_in_common(held))
             return None
         step = max(common)
         durable = self.mgr.newest_step()
         if durable is not None and durable >= step:
             return None
         state = self.state.checkpoint_state(self.rank)
+        local = next((i for i in mine if i.step == step), None)
+        source = "" if local is not None else offers[step].peer.node
         try:
-            self.snapshots.restore(next(i for i in mine if i.step == step), state)
+            self.snapshots.restore(local or self._fetch(offers[step]), state)
             error = None
-        except ValueError as e:
+        except (ValueError, SnapshotReplicaError) as e:
             error = str(e)
-        errors = self._all_gather(error)
+        outcomes = self._all_gather((error, source))
+        errors = [e for e, _ in outcomes]
         if not any(errors):
-            log.info("resumed from the in-memory snapshot of step %d (newest durable checkpoint: %s)", step, durable)
-            self._emit("checkpoint_snapshot_loaded", {"step": step, "durable_step": durable})
+            fetched = sorted({s for _, s in outcomes if s})
+            log.info("resumed from the in-memory snapshot of step %d (newest durable checkpoint: %s)%s", step, durable,
+                     f"; ranks without it copied it from node(s) {', '.join(fetched)}" if fetched else "")
+            peers = {"fetched_ranks": sum(1 for _, s in outcomes if s), "from_nodes": fetched[:8]} if fetched else {}
+            self._emit("checkpoint_snapshot_loaded", {"step": step, "durable_step": durable, **peers})
             self.mgr.restored_elsewhere(state)
             return Resumed(f"snapshot:step-{step}", step, reseed=False)
         self.snapshots.drop(step)
         reason = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-        log.warning("not resuming from the in-memory snapshot of step %d: %s", step, reason)
-        self._emit("checkpoint_snapshot_skipped", {"step": step, "reason": reason})
+        self._skip_snapshot(step, reason)
         if durable is None and not all(errors):
             # Some ranks hold the snapshot's state, the others a fresh one, and nothing durable overwrites both.
             raise SnapshotError(f"the in-memory snapshot of step {step} could not be restored ({reason}) and there "
                                 f"is no durable checkpoint; it was dropped, a restart starts over")
         return None
+
+    def _fetch(self, offer: Offer) -> SnapshotInfo:
+        """Copy a peer's copy of this rank's snapshot into this rank's folder; its commit info there."""
+        assert self.snapshots is not None
+        fetch_offer(offer, self.snapshots.dir)
+        copied = [i for i in self.snapshots.available()[0] if i.step == offer.step]
+        if not copied:
+            raise ValueError(f"the snapshot of step {offer.step} copied from {offer.peer.node} is not committed here")
+        return copied[0]
+
+    def _skip_snapshot(self, step: Optional[int], reason: str) -> None:
+        what = f"the in-memory snapshot of step {step}" if step is not None else "an in-memory snapshot"
+        log.warning("not resuming from %s: %s", what, reason)
+        self._emit("checkpoint_snapshot_skipped", {"step": step, "reason": reason})
 
     def snapshot_if_due(self, final: bool) -> None:
         """Before the step's all_reduce: once a rank is past it, every rank holds this step's snapshot."""
@@ -152,7 +195,8 @@ class StateCheckpointer:
     def _snapshot(self, step: int) -> None:
         assert self.snapshots is not None
         try:
-            self.snapshots.save(step, self.state.checkpoint_state(self.rank), later=self._optimizer_storages())
+            state = self.state.checkpoint_state(self.rank, reuse=True)
+            self.snapshots.save(step, state, later=self._optimizer_storages())
         except OSError as e:  # /dev/shm full (reserved before any write: never a SIGBUS), or gone
             self._snapshots_off(step, e)
 

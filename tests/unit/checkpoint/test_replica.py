@@ -1,0 +1,189 @@
+"""Peer replicas between real replica servers on loopback (checkpoint/replica_wire.py, replica_server.py,
+replica_fetch.py): a replica is committed only with the bytes its checksum names, a slot rewritten while being sent
+is never committed, a server answers only requests with its token, and a rank whose node lost its snapshot restores
+bitwise from a peer's copy, or says why it cannot."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from elastictrain.checkpoint.replica_server import ReplicaServer
+from elastictrain.checkpoint.replica_wire import (
+    REPLICAS_DIR,
+    Peer,
+    PeerList,
+    SlotReader,
+    WordSum,
+    committed_markers,
+    fetch,
+    held,
+    push,
+)
+from elastictrain.checkpoint.snapshot import SnapshotStore, _checksum
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import SnapshotReplicaError
+from elastictrain.runtime.checkpointing import StateCheckpointer
+from elastictrain.runtime.heartbeat import Heartbeat
+from tests.unit.checkpoint.test_snapshot import JOB, _same, _state, _train
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = ReplicaServer(tmp_path / "b", "127.0.0.1", "node-b", "token-b")
+    yield s
+    s.close()
+
+
+def _saves(store: SnapshotStore, steps: int):
+    """A trained state snapshotted after each of `steps` steps; returns it and the commit infos."""
+    state, model, optim = _state(0)
+    infos = []
+    for _ in range(steps):
+        _train(state, model, optim)
+        infos.append(store.save(state.step, state.checkpoint_state(0)))
+    return state, infos
+
+
+def _replicas(server: ReplicaServer, source: str, rank: int) -> list[int]:
+    return [m["step"] for m in committed_markers(server.folder / REPLICAS_DIR / source / f"rank{rank}")]
+
+
+def test_a_pushed_snapshot_is_committed_on_the_peer_and_restores_bitwise(tmp_path, server):
+    store = SnapshotStore(tmp_path / "a", 1, JOB)
+    state, (info,) = _saves(store, 1)
+    assert push(server.peer(), "node-a", 1, SlotReader.open(store.dir, info.slot), 10) == info.checksum
+    replica = SnapshotStore(server.folder / REPLICAS_DIR / "node-a", 1, JOB)
+    (got,), why = replica.available()
+    assert got == info and not why
+    fresh, _, _ = _state(7)
+    replica.restore(got, fresh.checkpoint_state(0))
+    assert _same(fresh, state)
+
+
+def test_a_replica_whose_bytes_do_not_match_their_checksum_is_refused_and_the_other_slot_stays(tmp_path, server):
+    store = SnapshotStore(tmp_path / "a", 1, JOB)
+    state, model, optim = _state(0)
+    for _ in range(3):
+        _train(state, model, optim)
+        info = store.save(state.step, state.checkpoint_state(0))
+        if state.step == 3:  # step 3's bytes, changed after their commit
+            with open(store.dir / f"slot{info.slot}.bin", "r+b") as f:
+                f.seek(3)
+                f.write(b"\x55")
+            with pytest.raises(SnapshotReplicaError, match="do not match"):
+                push(server.peer(), "node-a", 1, SlotReader.open(store.dir, info.slot), 10)
+        else:
+            push(server.peer(), "node-a", 1, SlotReader.open(store.dir, info.slot), 10)
+            assert _replicas(server, "node-a", 1)[0] == state.step
+    assert _replicas(server, "node-a", 1) == [2], "the slot being replaced is uncommitted, the other one stays"
+
+
+def test_a_slot_rewritten_while_being_sent_is_not_committed(tmp_path, server):
+    store = SnapshotStore(tmp_path / "a", 1, JOB)
+    state, model, optim = _state(0)
+    _train(state, model, optim)
+    first = store.save(state.step, state.checkpoint_state(0))
+    reader = SlotReader.open(store.dir, first.slot)  # the sender read the marker and the layout ...
+    for _ in range(2):  # ... then the worker saved twice: the second save rewrote that slot
+        _train(state, model, optim)
+        store.save(state.step, state.checkpoint_state(0))
+    assert push(server.peer(), "node-a", 1, reader, 10) is None
+    assert _replicas(server, "node-a", 1) == []
+
+
+def test_a_server_answers_only_its_token_and_only_from_its_folder(tmp_path, server):
+    store = SnapshotStore(tmp_path / "a", 0, JOB)
+    _, (info,) = _saves(store, 1)
+    stranger = Peer("node-b", *server.address, token="guessed")
+    with pytest.raises(SnapshotReplicaError, match="403"):
+        held(stranger, 0, 5)
+    with pytest.raises(SnapshotReplicaError):
+        push(stranger, "node-a", 0, SlotReader.open(store.dir, info.slot), 10)
+    assert not (server.folder / REPLICAS_DIR).exists()
+    with pytest.raises(SnapshotReplicaError, match="404"):
+        fetch(server.peer(), "../a/rank0", info.slot, tmp_path / "c" / "rank0", 0, 5)
+
+
+def test_the_listing_offers_the_nodes_own_snapshot_and_the_newest_sources_replica(tmp_path, server):
+    """After a re-form a rank may find its snapshot among a node's own ranks (the ranks moved) or its replicas; a
+    replica of a rank replaces another node's replica of it (that node's ranks went elsewhere)."""
+    SnapshotStore(server.folder, 1, JOB).save(5, {"x": torch.ones(3)})
+    for source, step in (("node-a", 4), ("node-c", 6)):
+        info = SnapshotStore(tmp_path / source, 1, JOB).save(step, {"x": torch.ones(3)})
+        push(server.peer(), source, 1, SlotReader.open(tmp_path / source / "rank1", info.slot), 10)
+    listed = [(path, marker["step"]) for path, marker in held(server.peer(), 1, 5)]
+    assert listed == [("rank1", 5), (f"{REPLICAS_DIR}/node-c/rank1", 6)]
+    assert not (server.folder / REPLICAS_DIR / "node-a").exists()
+
+
+def test_a_peer_that_is_down_is_reported_unreachable(tmp_path, server):
+    store = SnapshotStore(tmp_path / "a", 0, JOB)
+    _, (info,) = _saves(store, 1)
+    peer = server.peer()
+    server.close()
+    with pytest.raises(SnapshotReplicaError, match="node-b .*refused"):
+        push(peer, "node-a", 0, SlotReader.open(store.dir, info.slot), 5)
+
+
+def test_the_checksum_computed_chunk_by_chunk_is_the_snapshots():
+    for size in (0, 7, 8, 4 << 20, (4 << 20) + 13):
+        data = bytearray(os.urandom(size))
+        summed = WordSum()
+        for at in range(0, size, 1 << 20):
+            summed.update(memoryview(data)[at:at + (1 << 20)])
+        whole = torch.frombuffer(data, dtype=torch.uint8) if size else torch.zeros(0, dtype=torch.uint8)
+        assert summed.value == _checksum(whole)
+
+
+def _checkpointer(tmp_path, monkeypatch, folder: str, world_size: int = 1) -> StateCheckpointer:
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / folder))
+    state, _, _ = _state(7)
+    return StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0),
+                             state, Heartbeat(None), rank=0, world_size=world_size, fingerprint={"model": "m"})
+
+
+def _lost_node_snapshot(tmp_path, monkeypatch, server, identity_world_size: int = 1):
+    """Rank 0's snapshot of step 2, written on a node that is gone since, and replicated to `server` before."""
+    lost = _checkpointer(tmp_path, monkeypatch, "lost")
+    store = SnapshotStore(tmp_path / "lost", 0, {**lost.snapshots.identity, "world_size": identity_world_size})
+    lost.close()
+    state, infos = _saves(store, 2)
+    for info in infos:
+        push(server.peer(), "node-lost", 0, SlotReader.open(store.dir, info.slot), 10)
+    new = tmp_path / "new"
+    new.mkdir()
+    PeerList("node-new", [server.peer()]).write(new)  # what the re-started node's agent writes
+    return state
+
+
+def test_a_rank_whose_node_lost_its_snapshot_restores_bitwise_from_a_peers_replica(tmp_path, monkeypatch, server):
+    state = _lost_node_snapshot(tmp_path, monkeypatch, server)
+    ckpt = _checkpointer(tmp_path, monkeypatch, "new")
+    events = []
+    ckpt._emit = lambda name, fields: events.append((name, fields))
+    try:
+        resumed = ckpt.restore()
+        assert resumed is not None and resumed.source == "snapshot:step-2" and not resumed.reseed
+        assert _same(ckpt.state, state)
+        assert ("checkpoint_snapshot_loaded", {"step": 2, "durable_step": None, "fetched_ranks": 1,
+                                               "from_nodes": ["node-b"]}) in events
+        assert [i.step for i in ckpt.snapshots.available()[0]] == [2], "the copy is this rank's snapshot now"
+    finally:
+        ckpt.close()
+
+
+def test_a_replica_of_another_world_size_is_not_loaded_and_the_skip_event_says_why(tmp_path, monkeypatch, server):
+    _lost_node_snapshot(tmp_path, monkeypatch, server, identity_world_size=2)
+    ckpt = _checkpointer(tmp_path, monkeypatch, "new")
+    events = []
+    ckpt._emit = lambda name, fields: events.append((name, fields))
+    try:
+        assert ckpt.restore() is None  # nothing durable either: a fresh start
+        (skipped,) = [f for name, f in events if name == "checkpoint_snapshot_skipped"]
+        assert "node-b belongs to another job (world_size differ)" in skipped["reason"], skipped
+        assert ckpt.state.step == 0
+    finally:
+        ckpt.close()
