@@ -20,9 +20,10 @@ from elastictrain.errors import ConfigError
 SLOTS_PER_RANK = 2
 """Each rank's double buffer (checkpoint/snapshot.py): the newest committed snapshot stays while the next is
 written."""
-REPLICA_SLOTS_PER_RANK = 1
-"""With peer replicas, a node also holds one copy of the newest snapshot of each rank of one peer node (which runs
-as many ranks as this one)."""
+REPLICA_SLOTS_PER_RANK = 2
+"""With peer replicas, a node also holds the two newest replicated slots of each rank of one peer node (which runs
+as many ranks as this one): agent/replication.py keeps two per source rank, so a slot rewritten in transfer never
+leaves the peer without a committed replica."""
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from elastictrain.checkpoint.manager import CheckpointManager, EventSink
 from elastictrain.checkpoint.replica_fetch import Offer, fetch_offer, find_offers
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotInfo, SnapshotStore, storage_key
+from elastictrain.checkpoint.snapshot_budget import room_check
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import SnapshotError, SnapshotReplicaError
 from elastictrain.runtime.heartbeat import Heartbeat
@@ -80,7 +82,10 @@ class StateCheckpointer:
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
                         "world_size": world_size, "url": cfg.url}
-            self.snapshots = SnapshotStore(root, rank, identity)
+            # With more than one node, the agent also keeps a peer node's replicas in this folder.
+            room = room_check(cfg.snapshot_memory, Path(root), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                              replica=int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1)
+            self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
             # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
             self._hook = register_optimizer_step_pre_hook(lambda *_: self._finish_snapshot())

@@ -12,6 +12,7 @@ import torch
 from elastictrain import ElasticSampler, TrainState
 from elastictrain.checkpoint.snapshot import SnapshotStore
 from elastictrain.config import CheckpointConfig
+from elastictrain.errors import ConfigError
 from elastictrain.runtime.checkpointing import StateCheckpointer
 from elastictrain.runtime.heartbeat import Heartbeat
 
@@ -166,3 +167,21 @@ def test_parameters_are_copied_during_the_next_step_and_its_optimizer_step_waits
         ckpt.close()
     model(torch.randn(2, 1024)).sum().backward()
     optim.step()  # the hook is gone with the checkpointer
+
+
+def test_snapshots_that_do_not_fit_the_memory_budget_stop_the_job_at_the_first_snapshot(tmp_path, monkeypatch):
+    """Not a snapshot tier that fills /dev/shm halfway through a run: one clear, non-restartable error up front."""
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    state, model, optim = _state(0)
+    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0,
+                                              snapshot_memory=1000), state, Heartbeat(None), rank=0, world_size=1,
+                             fingerprint={})
+    try:
+        _train(state, model, optim)
+        with pytest.raises(ConfigError, match="checkpoint.snapshot_memory") as err:
+            ckpt.snapshot_if_due(final=False)
+        assert not err.value.restartable and "snapshot_every_steps=0" in str(err.value)
+        assert not list((tmp_path / "shm").rglob("slot*.bin")), "nothing reserved in node RAM"
+    finally:
+        ckpt.close()

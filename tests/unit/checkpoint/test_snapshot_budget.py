@@ -32,9 +32,9 @@ def test_a_budget_too_small_for_two_slots_per_rank_stops_with_the_numbers_and_th
     assert "\n" not in msg
 
 
-def test_a_peer_replica_needs_a_third_slot_per_rank(tmp_path):
+def test_a_peer_replica_needs_two_more_slots_per_rank(tmp_path):
     check_snapshot_budget(100 * MiB, local_ranks=1, budget="250MiB", folder=tmp_path, replica=False)
-    with pytest.raises(ConfigError, match=r"need 314572800 bytes .*\(2 slots \+ a peer node's replica\)"):
+    with pytest.raises(ConfigError, match=r"need 419430400 bytes .*\(2 slots \+ a peer node's replica\)"):
         check_snapshot_budget(100 * MiB, local_ranks=1, budget="250MiB", folder=tmp_path, replica=True)
 
 
@@ -77,8 +77,8 @@ def test_the_default_budget_is_half_of_the_file_system_and_a_fraction_is_of_the_
 
 def test_ram_each_node_needs_per_gb_of_train_state():
     assert ram_per_state_gb() == 2.0  # one node: two slots of the whole state
-    assert ram_per_state_gb(nodes=1, replica=True) == 3.0
-    assert ram_per_state_gb(nodes=8, replica=True) == 3 / 8  # each node holds its eighth, and a peer's eighth
+    assert ram_per_state_gb(nodes=1, replica=True) == 4.0
+    assert ram_per_state_gb(nodes=8, replica=True) == 4 / 8  # two slots of its eighth, two of a peer's eighth
 
 
 @pytest.mark.parametrize("value, expected", [
