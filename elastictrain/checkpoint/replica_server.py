@@ -190,8 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         try:
-            for chunk in reader.chunks():
-                self.wfile.write(chunk)
+            reader.send(self.connection)
             if reader.unchanged():
                 self.wfile.write(reader.meta)
             else:  # rewritten while being sent: cut the body short, the reader commits nothing

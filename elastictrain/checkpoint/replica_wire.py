@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import mmap
 import os
 import re
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-import torch
+import numpy as np
 
 from elastictrain.errors import SnapshotReplicaError
 
@@ -33,7 +35,7 @@ REPLICAS_DIR = "replicas"
 PEERS_FILE = "peers.json"
 """In an agent's snapshot folder: the job's live replica servers (`PeerList`), kept current by the agent."""
 CHUNK_BYTES = 4 << 20
-"""Bytes per read, write and send; a multiple of 8 (the checksum sums 64-bit words chunk by chunk)."""
+"""Bytes received (and summed) at a time; a multiple of 8 (the checksum sums 64-bit words chunk by chunk)."""
 MARKER_HEADER = "X-Snapshot-Marker"
 META_HEADER = "X-Snapshot-Meta-Bytes"
 AUTH_HEADER = "Authorization"
@@ -122,8 +124,10 @@ class WordSum:
         if self._ended:
             raise ValueError("a chunk after one that was not a multiple of 8 bytes")
         whole = len(chunk) // 8 * 8
-        if whole:  # torch's integer sum wraps around, as in SnapshotStore's checksum; the modulo comes at the end
-            self._total += int(torch.frombuffer(chunk[:whole], dtype=torch.int64).sum())
+        if whole:
+            # numpy's integer sum wraps around like torch's in SnapshotStore (the modulo comes at the end); numpy, as
+            # torch's sum runs on its thread pool: 18 ms instead of 1 ms per 4 MiB on two busy cores.
+            self._total += int(np.frombuffer(chunk[:whole], dtype=np.int64).sum())
         if whole != len(chunk):
             self._total += sum(chunk[whole:])
             self._ended = True
@@ -155,17 +159,12 @@ class SlotReader:
     def nbytes(self) -> int:
         return int(self.marker["nbytes"])
 
-    def chunks(self) -> Iterator[memoryview]:
-        """The slot's bytes, in chunks of one reused buffer (use each before asking for the next)."""
-        buf = memoryview(bytearray(min(CHUNK_BYTES, self.nbytes) or 1))
-        left = self.nbytes
-        with open(self.rank_dir / f"slot{self.slot}.bin", "rb", buffering=0) as f:
-            while left:
-                got = f.readinto(buf[:min(len(buf), left)])
-                if not got:
-                    raise SnapshotReplicaError(f"{self.rank_dir}/slot{self.slot}.bin is shorter than its marker says")
-                yield buf[:got]
-                left -= got
+    def send(self, sock: socket.socket) -> None:
+        """Send the slot's bytes on `sock`, copied by the kernel (sendfile): no pass through this process."""
+        with open(self.rank_dir / f"slot{self.slot}.bin", "rb") as f:
+            sent = sock.sendfile(f, 0, self.nbytes) if self.nbytes else 0
+        if sent != self.nbytes:
+            raise SnapshotReplicaError(f"{self.rank_dir}/slot{self.slot}.bin is shorter than its marker says")
 
     def unchanged(self) -> bool:
         return read_marker(self.rank_dir, self.slot) == self.marker
@@ -200,19 +199,17 @@ def receive_slot(read_into: Callable[[memoryview], int], rank_dir: Path, slot: i
             if os.fstat(f.fileno()).st_size < nbytes:
                 os.ftruncate(f.fileno(), nbytes)  # never shrunk: a reader's mapping of the old bytes stays valid
             if nbytes:
-                os.posix_fallocate(f.fileno(), 0, nbytes)
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # a write into a full tmpfs mapping would be a SIGBUS
         except OSError as e:
             raise SnapshotReplicaError(f"no room for a {nbytes}-byte snapshot in {rank_dir}: {e}") from None
-        buf = memoryview(bytearray(min(CHUNK_BYTES, nbytes) or 1))
-        left = nbytes
-        while left:
-            view = buf[:min(len(buf), left)]
-            _read_exactly(read_into, view)
-            summed.update(view)
-            written = 0
-            while written < len(view):  # a raw write may take fewer bytes than offered
-                written += f.write(view[written:])
-            left -= len(view)
+        if nbytes:
+            # Received straight into the file's pages, summed while they are in cache: one copy of the bytes.
+            with mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapped, \
+                    memoryview(mapped) as pages:
+                for at in range(0, nbytes, CHUNK_BYTES):
+                    with pages[at:at + CHUNK_BYTES] as view:
+                        _read_exactly(read_into, view)
+                        summed.update(view)
     meta = memoryview(bytearray(meta_bytes))
     _read_exactly(read_into, meta)
     if summed.value != marker["checksum"]:
@@ -256,8 +253,7 @@ def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float)
         for k, v in {**slot_headers(reader), AUTH_HEADER: peer.auth()}.items():
             conn.putheader(k, v)
         conn.endheaders()
-        for chunk in reader.chunks():
-            conn.send(chunk)
+        reader.send(conn.sock)
         if not reader.unchanged():
             return None  # closing the connection one meta short makes the peer drop what it received
         conn.send(reader.meta)
