@@ -155,10 +155,13 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             stack.callback(publisher.close)
             relay.attach(agent)
             liveness = getattr(agent.get_worker_group().spec.rdzv_handler, "liveness", None)
+            replicator = None
             if liveness is not None:
-                _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
-                           request.config.local_addr or socket.getfqdn(),
-                           lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
+                replicator = _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
+                                        request.config.local_addr or socket.getfqdn(),
+                                        lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
+            publisher.snapshot_probe = lambda: (snapshots.newest_step(snapshot_dir),
+                                                *(replicator.replicated() if replicator else (None, None)))
             if request.metrics_port:
                 from elastictrain.agent.metrics import AgentCollector, MetricsServer
 
@@ -204,14 +207,17 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
 
 
 def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,
-               host: str, emit: Callable[[str, dict[str, Any]], None]) -> None:
+               host: str, emit: Callable[[str, dict[str, Any]], None]) -> Optional[Replicator]:
     """Peer replicas of this node's snapshots, served on `host` (where torch's rendezvous says this node is reached:
     --local-addr, else its host name); a server that cannot start leaves snapshots local-only, never the job down."""
     try:
-        stack.callback(Replicator(folder, client, run_prefix, liveness, host, emit).close)
+        replicator = Replicator(folder, client, run_prefix, liveness, host, emit)
     except OSError as e:
         log.warning("in-memory snapshots stay local-only: no replica server on %s (%s); set --local-addr to an "
                     "address of this node that the other nodes reach", host, e)
+        return None
+    stack.callback(replicator.close)
+    return replicator
 
 
 def _exit_code(error: Optional[AgentError]) -> int:

@@ -50,6 +50,11 @@ class Member:
     updated_age_s: float
     state_since: float
     last_event: str
+    snapshot_step: Optional[int] = None
+    """The newest in-memory snapshot in the node's RAM."""
+    replicated_step: Optional[int] = None
+    """...and the newest its ring peer `replica_peer` confirmed."""
+    replica_peer: Optional[str] = None
 
 
 @dataclass
@@ -113,7 +118,8 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
     return Member(node=n.node, host=n.host, state=state, group_rank=n.group_rank, workers=len(n.workers),
                   phases=phases, heartbeat_age_s=round(max(beats) + age, 1) if beats else None, step=n.step,
                   step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
-                  last_event=n.last_event)
+                  last_event=n.last_event, snapshot_step=n.snapshot_step, replicated_step=n.replicated_step,
+                  replica_peer=n.replica_peer)
 
 
 def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,

@@ -149,6 +149,14 @@ class Replicator:
             log.debug("replicated %s", fields)
         return True
 
+    def replicated(self) -> tuple[Optional[int], Optional[str]]:
+        """The newest snapshot step the current ring peer has confirmed (of any local rank), and that peer."""
+        peer = self.peer
+        if peer is None:
+            return None, None
+        steps = [step for node, step, _ in self._sent.values() if node == peer.node]
+        return (max(steps) if steps else None), peer.node
+
     def _failed(self, peer: Peer, rank: int, step: int, error: SnapshotReplicaError) -> None:
         self._backoff = min(RETRY_MAX_S, max(4 * self.poll_s, 2 * self._backoff))
         self._retry_at = time.monotonic() + self._backoff

@@ -8,9 +8,10 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Optional
 
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, remove_snapshots
-from elastictrain.checkpoint.snapshot_folders import RUN_FOLDER, snapshot_base
+from elastictrain.checkpoint.snapshot_folders import RUN_FOLDER, read_run_folder, snapshot_base
 from elastictrain.runtime.heartbeat import pid_alive
 
 log = logging.getLogger(__name__)
@@ -43,3 +44,9 @@ def remove(path: Path) -> None:
     remove_snapshots(path)
     if os.environ.get(ENV_SNAPSHOT_DIR) == str(path):
         del os.environ[ENV_SNAPSHOT_DIR]
+
+
+def newest_step(folder: Path) -> Optional[int]:
+    """The newest snapshot step committed by any rank in this agent's folder (for `status`); None when none is."""
+    steps = [held[0].step for held in read_run_folder(folder).ranks.values() if held]
+    return max(steps) if steps else None

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
 
@@ -73,6 +73,11 @@ class NodeStatus:
     updated: float = 0.0
     state_since: float = 0.0
     """Unix time at which `state` was entered."""
+    snapshot_step: Optional[int] = None
+    """The newest in-memory snapshot every local rank holds committed in node RAM (None: snapshots off or none yet)."""
+    replicated_step: Optional[int] = None
+    """The newest snapshot of every local rank that the ring peer `replica_peer` has confirmed."""
+    replica_peer: Optional[str] = None
 
     @classmethod
     def from_json(cls, data: bytes) -> "NodeStatus":
@@ -139,6 +144,8 @@ class EtcdStatusPublisher:
         self._events: deque[tuple[str, Event]] = deque(maxlen=MAX_QUEUED_EVENTS)
         """(etcd key, event), oldest first; the key is taken when the event happens, so keys sort by time."""
         self._thread: Optional[threading.Thread] = None
+        self.snapshot_probe: Optional[Callable[[], tuple[Optional[int], Optional[int], Optional[str]]]] = None
+        """(snapshot step, replicated step, replica peer) of this node's snapshot tier, read at each publish."""
 
     @property
     def status_key(self) -> str:
@@ -204,6 +211,8 @@ class EtcdStatusPublisher:
                 st.step_time_s = self._agent.step_time()
             if self.budget is not None:
                 st.restarts_used = self.budget.used(tolerant=True)
+            if self.snapshot_probe is not None:
+                st.snapshot_step, st.replicated_step, st.replica_peer = self.snapshot_probe()
             st.updated = time.time()
             payload = json.dumps(asdict(st), default=str).encode()
         try:

@@ -78,6 +78,7 @@ def render(view: JobView) -> str:
         out.append(f"checkpoint: none valid yet under {view.checkpoint_url}")
     else:
         out.append(f"checkpoint: not checked ({view.checkpoint_url})")
+    out += _snapshots(view)
     out.append("")
     rows = [[m.node, m.host, "-" if m.group_rank is None else str(m.group_rank), m.state,
              f"{m.workers} ({','.join(sorted(set(m.phases))) or '-'})", _ago(m.heartbeat_age_s),
@@ -91,6 +92,22 @@ def render(view: JobView) -> str:
         out.append("recent events:")
         out += [f"  {format_event(e)}" for e in view.events]
     return "\n".join(out)
+
+
+def _snapshots(view: JobView) -> list[str]:
+    """One line per node that holds in-memory snapshots: the newest in its RAM, and how far its peer's replica is."""
+    out = []
+    for m in view.members:
+        if m.snapshot_step is None or m.state in ("gone", "left"):
+            continue
+        if m.replica_peer is None:
+            where = "local only (no peer node)"
+        elif m.replicated_step is None:
+            where = f"not replicated yet (peer {m.replica_peer})"
+        else:
+            where = f"replicated to {m.replica_peer} up to step {m.replicated_step}"
+        out.append(f"snapshot:   {m.node}: step {m.snapshot_step} in node RAM, {where}")
+    return out
 
 
 def _no_progress(view: JobView) -> str:

@@ -76,3 +76,15 @@ def test_restarts_line_shows_the_streak_without_progress_and_its_backoff():
     assert "restarts:   3 of 3 used; 2 in a row without progress (limit 5), backoff 1.1s" in render(v)
     v.no_progress_restarts = 0
     assert "restarts:   3 of 3 used\n" in render(v)
+
+
+def test_status_shows_each_nodes_newest_snapshot_and_how_far_its_peer_replica_is():
+    a, b, c = node("a", step=120), node("b", step=120), node("c", step=120)
+    a.snapshot_step, a.replicated_step, a.replica_peer = 120, 119, "b"
+    b.snapshot_step, b.replica_peer = 120, "c"  # nothing confirmed by its peer yet
+    c.snapshot_step = 118  # alone in its ring view: local only
+    text = render(derive("demo", [a, b, c], NOW))
+    assert "snapshot:   a: step 120 in node RAM, replicated to b up to step 119" in text
+    assert "snapshot:   b: step 120 in node RAM, not replicated yet (peer c)" in text
+    assert "snapshot:   c: step 118 in node RAM, local only (no peer node)" in text
+    assert "snapshot:" not in render(_view()), "no snapshot line when snapshots are off"
