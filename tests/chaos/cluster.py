@@ -21,7 +21,7 @@ from elastictrain.checkpoint.discovery import list_checkpoints
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.runtime.audit import read_records
 from elastictrain.runtime.cursor import GlobalOrder
-from tests.integration.recipe_runs import FAST, REPO, worker_env
+from tests.integration.recipe_runs import FAST, REPO, run_recipe, worker_env
 
 STEPS = 24
 GLOBAL_BATCH = 8  # FAST's data.global_batch_size
@@ -197,6 +197,12 @@ class Job:
             if n.alive():
                 n.kill()
 
+    def run_uninterrupted(self, nproc: int) -> dict:
+        """The same job as one plain torchrun run of `nproc` ranks from its first step to its last, writing into
+        this job's output and checkpoint directories; returns its summary. A reference for the elastic runs, which
+        must reach its state bitwise: nothing to recover from, so no agent, etcd or spare worker to pay for."""
+        return run_recipe(self.out, nproc, self.overrides, timeout=600)
+
 
 class ScriptJob(Job):
     """The same job running examples/train_mlp.py (a user's script on the public API) instead of the recipe.
@@ -224,10 +230,19 @@ class ScriptJob(Job):
         """What an uninterrupted run consumes at `step` (the script's sampler: seed 0)."""
         return expected_samples(step, self.num_samples, seed=0, global_batch=self.global_batch)
 
+    def run_uninterrupted(self, nproc: int) -> dict:
+        """The script under plain torchrun, `nproc` ranks, to its end (see `Job.run_uninterrupted`); rank 0's
+        summary."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *self.script]
+        r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
+        return self.summary()
+
 
 @dataclass
 class Reference:
-    """An uninterrupted 2-node run: its summary and its checkpoints (every 4 steps, all kept)."""
+    """An uninterrupted 2-rank run: its summary and its checkpoints (every 4 steps, all kept)."""
 
     summary: dict
     ckpt_url: str

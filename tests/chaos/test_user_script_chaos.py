@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 import pytest
 
@@ -35,19 +34,12 @@ WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, _etcd_session_server) -> dict:
-    """rank 0's summary of an uninterrupted run of the script on 2 nodes."""
-    job = ScriptJob(tmp_path_factory.mktemp("reference"), _etcd_session_server.endpoint,
-                    f"ref-{uuid.uuid4().hex[:8]}")
-    try:
-        nodes = [job.start_node("a"), job.start_node("b")]
-        assert job.wait(nodes) == [0, 0], job.logs()
-        job.assert_world_sizes(ON_TWO)  # a split start (one node alone, the other by scale-up) is no reference
-        summary = job.summary()
-        assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
-        return summary
-    finally:
-        job.teardown()
+def reference(tmp_path_factory) -> dict:
+    """rank 0's summary of an uninterrupted run of the script on 2 ranks (plain torchrun)."""
+    job = ScriptJob(tmp_path_factory.mktemp("reference"), endpoint="", run_id="reference")
+    summary = job.run_uninterrupted(2)
+    assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
+    return summary
 
 
 @pytest.fixture
