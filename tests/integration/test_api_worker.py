@@ -140,7 +140,9 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     # drained node, so an agent re-forms the group rather than calling the job done.
     assert run["codes"] == [75, 0], run["logs"]
     ends = _read(run, "stop")
-    assert ends[0]["step"] == ends[1]["step"] > 4 and all(e["stopped"] for e in ends)
+    # Rank 1 is signalled once it is inside the step numbered 3, so the first boundary the stop can be agreed at
+    # closes that step (4 done); on an idle machine the signal often gets there first (seen: 4 > 4 failed).
+    assert ends[0]["step"] == ends[1]["step"] >= 4 and all(e["stopped"] for e in ends)
     saved = [c for c in list_checkpoints(open_storage(str(run["out"] / "ckpt"))) if c.status == "valid"]
     assert [c.step for c in saved] == [ends[0]["step"]], "the stop saved the step both ranks ended at"
 
