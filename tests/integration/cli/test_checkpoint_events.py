@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(endpoint: str, run_id: str, out: Path, steps: int) -> LiveJob:
-    job = LiveJob(endpoint, run_id, out, steps=steps, extra=["--nnodes=1", "--nproc-per-node=2"],
+    # No restart to serve: pre-warmed spares would only add four torch imports of CPU time.
+    job = LiveJob(endpoint, run_id, out, steps=steps, extra=["--nnodes=1", "--nproc-per-node=2", "--no-warm-spares"],
                   overrides=[f"checkpoint.url={out.parent / 'ckpt'}", "checkpoint.keep_last=2"])
     job.start_agent()
     try:
