@@ -120,7 +120,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_sigstopped_worker_is_detected_as_hang_and_group_restarts_and_finishes(agent_run):
-    run = agent_run(steps=60)
+    run = agent_run(steps=30)
     victim = run.wait_for_step(15)[1]["pid"]
     t_fault = time.time()
     os.kill(victim, signal.SIGSTOP)
@@ -138,7 +138,7 @@ def test_sigstopped_worker_is_detected_as_hang_and_group_restarts_and_finishes(a
 
 
 def test_sigkilled_worker_is_detected_fast_and_group_restarts_and_finishes(agent_run):
-    run = agent_run(steps=40)
+    run = agent_run(steps=20)
     victim = run.wait_for_step(10)[0]["pid"]
     t_fault = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -187,8 +187,8 @@ def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_n
     rdzv = ("--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
             "--rdzv-id", f"stuck-peer-{uuid.uuid4().hex[:8]}", *conf)
     progress = tmp_path / "progress"
-    a = agent_run(steps=60, name="a", rdzv=rdzv, nproc=1, progress=progress)
-    b = agent_run(steps=60, name="b", rdzv=rdzv, nproc=1, progress=progress)
+    a = agent_run(steps=30, name="a", rdzv=rdzv, nproc=1, progress=progress)
+    b = agent_run(steps=30, name="b", rdzv=rdzv, nproc=1, progress=progress)
     victim = a.wait_for_step(15)[1]["pid"]
     victim_node, peer_node = (a, b) if victim in a.first("join")["pids"].values() else (b, a)
     t_fault = time.time()
