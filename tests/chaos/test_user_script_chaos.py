@@ -18,13 +18,16 @@ import pytest
 from elastictrain.chaos.process_signals import drain_node
 from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.injected_faults import ENV_CHAOS
-from tests.chaos.cluster import STEPS, Node, ScriptJob, spans
+from tests.chaos.cluster import Node, ScriptJob, spans
 from tests.integration.agent_etcd.job_records import restarts_and_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+STEPS = 32
+"""Room for three faults 8 steps apart in one job (the recipe's chaos jobs run 24)."""
 FAULT_STEP = 9  # checkpoints every 4 steps: the restarted group resumes from step 8
 SECOND_FAULT_STEP = 17  # past the restarted group's first checkpoint (12) and the next (16)
+THIRD_FAULT_STEP = 25  # past the checkpoints (20, 24) of the group re-formed after the hang
 ON_TWO = {s: 2 for s in range(STEPS)}
 STEP_FLOOR = {ENV_CHAOS: "slow@ms=100"}
 """Every step lasts at least 0.1 s, so a fault sent once step 9 is seen lands before the job ends, on a fast machine
@@ -36,7 +39,7 @@ WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """rank 0's summary of an uninterrupted run of the script on 2 ranks (plain torchrun)."""
-    job = ScriptJob(tmp_path_factory.mktemp("reference"), endpoint="", run_id="reference")
+    job = ScriptJob(tmp_path_factory.mktemp("reference"), endpoint="", run_id="reference", steps=STEPS)
     summary = job.run_uninterrupted(2)
     assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
     return summary
@@ -44,7 +47,7 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.fixture
 def job(tmp_path, etcd, run_id):
-    j = ScriptJob(tmp_path, etcd.endpoint, run_id)
+    j = ScriptJob(tmp_path, etcd.endpoint, run_id, steps=STEPS)
     yield j
     j.teardown()
 
@@ -79,29 +82,27 @@ def assert_bitwise(summary: dict, reference: dict) -> None:
         assert reference[key] and summary[key] == reference[key], f"final {key} state differs from the reference's"
 
 
-def test_a_killed_then_a_stopped_worker_restart_the_script_and_it_ends_bitwise_identical(job, reference):
-    """Two faults in one job (one 2-node run instead of two): a worker SIGKILL, then, once the restarted group is
-    past the next checkpoint, a worker SIGSTOP that the agent must call hung (after its 3 s floor)."""
+def test_worker_faults_then_a_node_sigkill_restart_the_script_and_it_ends_bitwise_identical(job, reference):
+    """Three faults in one job (one 2-node run instead of two), each once the group before it is past its next
+    checkpoints: a worker SIGKILL; a worker SIGSTOP that the agent must call hung (after its 3 s floor); node b
+    SIGKILLed (agent and worker, no goodbye: its etcd lease expires) and started again by the same command, which the
+    survivor waits for, so every step runs on 2 ranks."""
+    job.overrides.extend(WAIT_FOR_REJOIN)  # the agents' settings, before any starts
     a, b = start_two(job)
     signal_worker(job, b, signal.SIGKILL)
     job.wait_for_step(SECOND_FAULT_STEP, world_size=2)
     stopped = signal_worker(job, b, signal.SIGSTOP)
-    assert job.wait([a, b]) == [0, 0], job.logs()
+    stopped_in = max(r["seq"] for r in job.records())
+    job.wait_for_step(THIRD_FAULT_STEP, world_size=2, after_seq=stopped_in)
+    b.kill()
+    b2 = job.start_node("b-rejoined", STEP_FLOOR)
+    assert job.wait([a, b2]) == [0, 0], job.logs()
     assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
-    assert len({r["launch"] for r in job.records()}) >= 3, "both faults landed mid-run (three launches)"
+    assert len({r["launch"] for r in job.records()}) >= 4, "the three faults landed mid-run (four launches)"
     used, events = restarts_and_events(job.endpoint, job.run_id)
     assert used >= 2 and any(e.kind == "failure" for e in events), [(e.kind, e.fields) for e in events]
     hangs = [e for e in events if e.kind == "hang"]
     assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
-
-
-def test_node_sigkilled_and_rejoined_by_the_same_command_ends_bitwise_identical(job, reference):
-    job.overrides.extend(WAIT_FOR_REJOIN)  # the agents' settings, before any starts
-    a, b = start_two(job)
-    b.kill()  # agent and worker, no goodbye: its etcd lease expires
-    b2 = job.start_node("b-rejoined", STEP_FLOOR)
-    assert job.wait([a, b2]) == [0, 0], job.logs()
-    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
 
 
 def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_once(job):
