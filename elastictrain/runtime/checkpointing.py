@@ -105,7 +105,7 @@ class StateCheckpointer:
         resumed = self._restore_snapshot()
         if resumed is not None:
             return resumed
-        loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank))
+        loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank, for_load=True))
         if loaded is None:
             return None
         self._last_saved = loaded.step
@@ -129,7 +129,7 @@ class StateCheckpointer:
         durable = self.mgr.newest_step()
         if durable is not None and durable >= step:
             return None
-        state = self.state.checkpoint_state(self.rank)
+        state = self.state.checkpoint_state(self.rank, for_load=True)
         local = next((i for i in mine if i.step == step), None)
         source = "" if local is not None else offers[step].peer.node
         try:
