@@ -86,8 +86,8 @@ def measure(size: str, rounds: int, steps: int, shm: Path) -> dict[str, Any]:
                 blocks[on] = times[1:]
             wall = {on: statistics.median(t for t, _ in v) for on, v in blocks.items()}
             cpu = {on: statistics.median(c for _, c in v) for on, v in blocks.items()}
-            per_round.append({"step_s_off": wall[False], "step_s_on": wall[True], "wall_ratio": wall[True] / wall[False],
-                              "cpu_ratio": cpu[True] / cpu[False]})
+            per_round.append({"step_s_off": wall[False], "step_s_on": wall[True],
+                              "wall_ratio": wall[True] / wall[False], "cpu_ratio": cpu[True] / cpu[False]})
         nbytes = ckpt.snapshots.last.nbytes if ckpt.snapshots is not None and ckpt.snapshots.last else None
     finally:
         ckpt.close()
