@@ -305,8 +305,9 @@ class _Copy:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """What identifies a tensor's memory: its storage's address (a DTensor's local shard's)."""
-    return _local(t).untyped_storage().data_ptr()
+    """What identifies a tensor's memory: its storage's address (a DTensor's local shard's, read without
+    `DTensor.to_local()`'s autograd call: this runs for every parameter at every snapshot)."""
+    return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
 
 
 def _copy_into(buf: torch.Tensor, copies: list[tuple[torch.Tensor, int, int, bool]]) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastictrain.checkpoint.snapshot import storage_key
 from elastictrain.errors import ConfigError
 from elastictrain.runtime.determinism import capture_rng_state, restore_rng_state
 from elastictrain.runtime.sampler import ElasticSampler
@@ -72,11 +73,6 @@ def _allocate_adam_state(optimizer: torch.optim.Adam) -> None:
             optimizer.state[p] = state
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard, without DTensor.to_local()'s autograd call
-    return local.data_ptr()
-
-
 class ReusedModelState(ModelState):
     """`ModelState` whose state dict is built by torch's helpers once and reused while it still holds the live
     tensors (its values share their memory, so in-place updates show through). torch's helpers resolve every
@@ -89,7 +85,7 @@ class ReusedModelState(ModelState):
         self._signature: tuple = ()
 
     def state_dict(self) -> dict[str, Any]:
-        signature = tuple(_storage_ptr(t) for t in (*self.model.parameters(), *self.model.buffers()))
+        signature = tuple(storage_key(t) for t in (*self.model.parameters(), *self.model.buffers()))
         if self._cached is None or signature != self._signature:
             self._cached, self._signature = super().state_dict(), signature
         return self._cached
@@ -107,7 +103,7 @@ class ReusedOptimizerState(OptimizerState):
     def _sign(self) -> tuple:
         state = self.optimizer.state
         return (len(self.optimizer.param_groups),
-                tuple((id(p), k, _storage_ptr(v) if isinstance(v, torch.Tensor) else repr(v))
+                tuple((id(p), k, storage_key(v) if isinstance(v, torch.Tensor) else repr(v))
                       for p, per_param in state.items() for k, v in per_param.items()))
 
     def state_dict(self) -> dict[str, Any]:
