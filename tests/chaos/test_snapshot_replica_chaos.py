@@ -4,7 +4,7 @@ snapshots as replicated on node a, recomputing at most one completed step, and e
 uninterrupted run.
 
 Without replicas the same fault resumes from the last durable checkpoint (every 4 steps here;
-tests/chaos/test_agent_chaos.py::test_node_sigkilled_and_rejoined_by_the_same_command).
+tests/chaos/test_agent_chaos.py::test_a_node_sigkilled_then_one_drained_each_rejoin_by_the_same_command).
 """
 
 from __future__ import annotations
