@@ -29,7 +29,7 @@ from elastictrain import ElasticSampler, TrainState, Worker
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import ElastictrainError
 from elastictrain.logs import setup_logging
-from elastictrain.recipes.model import build_model, build_optimizer, shard_model
+from elastictrain.recipes.model import build_optimizer, build_sharded, init_weights
 from elastictrain.runtime.data import build_source
 from elastictrain.runtime.exitcodes import exit_fatal
 
@@ -62,9 +62,9 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     """Train under `cfg` on the started worker `w`; every rank returns the run's summary."""
     t, d = cfg.train, cfg.data
     setup_started = time.monotonic()
-    model = build_model(cfg.model, t.seed)
+    # Weights are initialised only on a fresh start (`init` below): a resume loads into the shards.
+    model = build_sharded(cfg.model, w.mesh, t, w.device)
     hf_config = model.config
-    model = shard_model(model, w.mesh, t, w.device)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps)
     source = build_source(d, int(hf_config.vocab_size), t.seed)
     sampler = ElasticSampler(source.num_samples, global_batch_size=d.global_batch_size,
@@ -89,7 +89,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
 
     loop = w.steps(end, state, checkpoint=cfg.checkpoint if cfg.checkpoint.url else None,
                    fingerprint=cfg.fingerprint(), metadata={"hf_config": hf_config.to_dict()},
-                   audit_dir=str(Path(t.output_dir) / "samples") if t.audit_samples else None, on_step=after_step)
+                   audit_dir=str(Path(t.output_dir) / "samples") if t.audit_samples else None, on_step=after_step,
+                   init=lambda: init_weights(model, cfg.model, t.seed))
     if w.is_main and t.progress and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)

@@ -81,11 +81,11 @@ class StepLoop:
     def __init__(self, worker: LoopHost, total: int, state: TrainState, *,
                  checkpoint: Optional[CheckpointConfig], fingerprint: Optional[dict[str, Any]],
                  metadata: Optional[dict[str, Any]], audit_dir: Optional[str], log_every: int,
-                 on_step: Optional[StepHook]):
+                 on_step: Optional[StepHook], init: Optional[Callable[[], None]] = None):
         if total < 0:
             raise ConfigError(f"Worker.steps: total={total} must be >= 0")
         self.worker, self.total, self.state = worker, total, state
-        self.log_every, self.on_step = log_every, on_step
+        self.log_every, self.on_step, self._init = log_every, on_step, init
         self.metrics: dict[str, float] = {}
         """The values of `Worker.report`, summed over ranks, of the last finished step."""
         self.step_times: list[float] = []
@@ -158,6 +158,9 @@ class StepLoop:
         w.heartbeat.beat(st.step, "load")
         resumed = self.checkpointer.restore() if self.checkpointer is not None else None
         if resumed is None:
+            if self._init is not None:
+                w.heartbeat.beat(st.step, "init")
+                self._init()
             seed_everything(derive_seed(w.seed, "rank", w.rank))
         else:
             self.resumed_from = resumed.source

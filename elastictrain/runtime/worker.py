@@ -21,7 +21,7 @@ import datetime
 import gc
 import logging
 import signal
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -195,7 +195,7 @@ class Worker:
     def steps(self, total: int, state: TrainState, *, checkpoint: str | CheckpointConfig | None = None,
               fingerprint: Optional[dict[str, Any]] = None, metadata: Optional[dict[str, Any]] = None,
               audit_dir: Optional[str] = None, log_every: int = 0, on_step: Optional[StepHook] = None,
-              **checkpoint_options: Any) -> StepLoop:
+              init: Optional[Callable[[], None]] = None, **checkpoint_options: Any) -> StepLoop:
         """The training loop: `for step in w.steps(total, state, ...)` yields each step index still to run.
 
         `checkpoint`: a URL (file://, s3://, a path) or a full `CheckpointConfig`; `every_steps`, `every_seconds`,
@@ -204,11 +204,14 @@ class Worker:
         `metadata`: stored in each checkpoint's manifest. `audit_dir`: record every step's samples per rank
         (the exactly-once audit). `log_every`: log reported values and step time every N steps (rank 0).
         `on_step(step, metrics)`: called on every rank after each step, with the reported values summed.
+        `init()`: called on every rank when nothing was restored (a fresh start), before the first step: initialise
+        weights there (a model built on the meta device, sharded, then `to_empty`), so that a restart does not
+        pay for an initialisation that the load overwrites.
         """
         self._session()
         cfg = _checkpoint_config(checkpoint, checkpoint_options, self._train_cfg.collective_timeout_s)
         self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
-                             audit_dir=audit_dir, log_every=log_every, on_step=on_step)
+                             audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init)
         return self.loop
 
     def report(self, **values: Any) -> None:

@@ -210,14 +210,37 @@ class Run:
     digest: dict[str, str]
 
 
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+
+
 def _train(ckpt: Optional[Path], total: int, *, sigterm_at: Optional[int] = None, break_at: Optional[int] = None,
-           fingerprint: Optional[dict[str, Any]] = None) -> Run:
-    """A complete user script: FSDP2 MLP with dropout (so RNG matters), AdamW, an LR schedule, the sampler."""
+           fingerprint: Optional[dict[str, Any]] = None, inits: Optional[list[int]] = None) -> Run:
+    """A complete user script: FSDP2 MLP with dropout (so RNG matters), AdamW, an LR schedule, the sampler.
+
+    `inits`: build the model on the meta device and initialise it in the loop's `init` only (appending to `inits`).
+    """
     seen: list[int] = []
-    options = {"every_steps": 3} if ckpt is not None else {}
+    options: dict[str, Any] = {"every_steps": 3} if ckpt is not None else {}
     with et.Worker(seed=0) as w:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
-        fully_shard(model, mesh=w.mesh)
+        torch.manual_seed(0)
+        if inits is None:
+            model = _mlp()
+            fully_shard(model, mesh=w.mesh)
+        else:
+            with torch.device("meta"):
+                model = _mlp()
+            fully_shard(model, mesh=w.mesh)
+            model.to_empty(device="cpu")
+
+            def init() -> None:
+                inits.append(1)
+                torch.manual_seed(0)
+                full = _mlp().state_dict()
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.to_local().copy_(full[name])  # one rank: the shard is the whole tensor
+            options["init"] = init
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
         sampler = et.ElasticSampler(len(X), global_batch_size=8, micro_batch_size=4, seed=0)
@@ -264,6 +287,19 @@ def test_leaving_the_loop_early_resumes_from_the_last_periodic_save_bitwise(tmp_
     resumed = _train(tmp_path, 8)
     assert resumed.steps == [3, 4, 5, 6, 7]
     assert resumed.digest == full.digest
+
+
+def test_init_runs_on_a_fresh_start_only_and_a_meta_built_model_resumes_bitwise(tmp_path):
+    """A model built on the meta device is initialised by the loop's `init` on a fresh start; a resume loads into
+    it without initialising it (a restart does not pay for weights the load overwrites)."""
+    full = _train(None, 8)
+    inits: list[int] = []
+    left = _train(tmp_path, 8, break_at=4, inits=inits)
+    assert inits == [1], "a fresh start initialises once"
+    resumed = _train(tmp_path, 8, inits=inits)
+    assert inits == [1], "a resume does not initialise"
+    assert resumed.steps == [3, 4, 5, 6, 7] and left.end_step == 4
+    assert resumed.digest == full.digest, "init + load give the same weights as a model built with them"
 
 
 def test_resume_with_another_fingerprint_is_refused_naming_the_part(tmp_path, monkeypatch):
