@@ -8,7 +8,8 @@ Used from the training loop on every rank, at step boundaries:
     for step in ...:
         train_one_step()
         if mgr.should_save(step):              # same answer on every rank (collective when every_seconds)
-            mgr.save(step, state)              # blocks while staging only; never raises a storage failure
+            mgr.save(step, state)              # blocks while staging only; never raises a storage failure;
+                                               # skipped while the previous save is still uploading
     mgr.close()                                # waits for the save in flight
 
 `state` is a DCP state dict: values are tensors/DTensors, nested dicts, picklable objects, or
@@ -32,8 +33,9 @@ StorageError; an unreachable endpoint is retried for `storage_wait_s` (`checkpoi
 
 Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s, bytes}, checkpoint_failed {step, url,
 error, consecutive}, checkpoint_loaded {step, url, saved_world_size, verify_s}, checkpoint_skipped {url, reason},
-checkpoint_deleted {url}, checkpoint_storage_full {error}, checkpoint_storage_unreachable {error}. saved, failed
-and loaded are reported on every rank alike; the others on rank 0 only. `bytes`: the data DCP wrote, all ranks.
+checkpoint_save_skipped {step, in_flight_step, in_flight_s}, checkpoint_deleted {url}, checkpoint_storage_full
+{error}, checkpoint_storage_unreachable {error}. saved, failed, save_skipped and loaded are reported on every rank
+alike; the others on rank 0 only. `bytes`: the data DCP wrote, all ranks.
 
 Staging: once `load_latest(state)` is done, the buffers of async saves are allocated for states shaped like
 `state` and faulted in on a background thread: the first save after a (re)start blocks no longer than later ones.
@@ -263,14 +265,17 @@ class CheckpointManager:
         return due
 
     def save(self, step: int, state: dict[str, Any], *, blocking: bool = False) -> bool:
-        """Save `state` as the checkpoint of `step` on every rank; returns False if it failed (blocking only).
+        """Save `state` as the checkpoint of `step` on every rank; False if it failed (blocking) or was skipped.
 
-        Waits for the save in flight first. Async (cfg.async_save and not blocking): returns once the
-        state is staged; the upload and commit finish in the background. Storage failures never raise;
-        CheckpointError only after cfg.max_consecutive_failures failed saves in a row.
+        Async (cfg.async_save and not blocking): skipped, on every rank, while the previous save is still
+        in flight on any rank (`checkpoint_save_skipped`); else returns once the state is staged, and the
+        upload and commit finish in the background. Blocking: waits for the save in flight first. Storage
+        failures never raise; CheckpointError only after cfg.max_consecutive_failures failed saves in a row.
         """
         if self.storage is None:
             raise CheckpointError("save() without checkpoint.url; set checkpoint.url to enable checkpoints")
+        if self.cfg.async_save and not blocking and self._skip_while_in_flight(step):
+            return False
         self.wait()
         self._raise_if_failing()
         dirname = step_dir_name(step)
@@ -302,6 +307,30 @@ class CheckpointManager:
         flight = _InFlight(step=step, url=url, started=t0, blocking_s=time.monotonic() - t0)
         self._in_flight = flight
         upload.add_done_callback(lambda f: self._after_upload(flight, f))
+        return True
+
+    def _skip_while_in_flight(self, step: int) -> bool:
+        """Whether any rank's previous save is still uploading; then this one is skipped on every rank.
+
+        Waiting for it would stall training on the storage: a stalled or slow object store would cost every
+        rank its steps for as long as the upload takes, and a slow save is not worth that. The answer must be
+        the same on every rank (DCP's collectives), hence one small all_reduce on the control group.
+        """
+        flight = self._in_flight
+        busy = flight is not None and not flight.done.done()
+        mine = torch.tensor([flight.step if busy else -1, time.monotonic() - flight.started if busy else 0.0],
+                            dtype=torch.float64)
+        if self._distributed:
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        in_flight_step, running_s = int(mine[0].item()), float(mine[1].item())
+        if in_flight_step < 0:
+            return False
+        self._last_save_time = time.monotonic()  # every_seconds: the next one an interval from now
+        if self.rank == 0:
+            log.warning("checkpoint step %d skipped: the save of step %d is still in flight (%.1f s); training "
+                        "does not wait for storage. If this repeats, save less often (checkpoint.every_steps / "
+                        "every_seconds)", step, in_flight_step, running_s)
+        self._emit("checkpoint_save_skipped", step=step, in_flight_step=in_flight_step, in_flight_s=running_s)
         return True
 
     def _after_upload(self, flight: _InFlight, fut: Any) -> None:

@@ -202,6 +202,7 @@ def scenario_train(args: dict, rank: int, world: int) -> dict:
         losses.append(_train_step(model, opt, step, rank, world))
         trainer.update(step=step, samples=step * 12)
         if mgr.should_save(step):
+            mgr.wait()  # else a save due while the previous one uploads is skipped; here every save must land
             t0 = time.monotonic()
             mgr.save(step, _state(model, opt, rank, trainer))
             blocking[step] = time.monotonic() - t0
@@ -267,6 +268,7 @@ def scenario_s3_outage(args: dict, rank: int, world: int) -> dict:
         trained.append(step)
         trainer.update(step=step, samples=step * 12)
         if mgr.should_save(step):
+            mgr.wait()  # else a save due while the previous one uploads is skipped; here every save must land
             mgr.save(step, _state(model, opt, rank, trainer))
         if step == 5:
             mgr.wait()  # the failed upload is over before the server returns, so it cannot succeed late

@@ -261,3 +261,23 @@ def test_unreachable_storage_at_startup_is_waited_for_then_a_clear_error(tmp_pat
     outage["probes_left"] = 10**6
     with pytest.raises(StorageError, match="unreachable.*waited 5 s, checkpoint.storage_wait_s"):
         manager(tmp_path, storage_wait_s=5)
+
+
+def test_an_async_save_due_while_the_previous_one_uploads_is_skipped_and_the_next_one_commits(tmp_path, monkeypatch):
+    """Training must not wait for storage: a stalled upload used to block the next save, and every step behind it."""
+    events = []
+    m = manager(tmp_path, events)
+    _, state = make_state()
+    release = threading.Event()
+    monkeypatch.setattr(commit, "PHASE_HOOK",
+                        lambda phase, rank, step: release.wait(30) if phase == "before_data" and step == 1 else None)
+    m.save(1, state)
+    t0 = time.monotonic()
+    assert m.save(2, state) is False
+    assert time.monotonic() - t0 < 5 and m.save_in_flight
+    release.set()
+    assert m.save(3, state, blocking=True) is True  # a blocking save (exit, operator) waits for the one in flight
+    assert [(n, f["step"]) for n, f in events] == [("checkpoint_save_skipped", 2), ("checkpoint_saved", 1),
+                                                   ("checkpoint_saved", 3)]
+    assert events[0][1]["in_flight_step"] == 1 and events[0][1]["in_flight_s"] >= 0
+    assert find_latest_valid(m.storage).step == 3
