@@ -465,6 +465,7 @@ def validate(cfg: JobConfig) -> None:
     if t.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
     validate_elastic(e)
+    Timeouts.of(cfg).check()
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
                           f"holding a transformers config.json, or remove it to use model.name")
@@ -531,6 +532,54 @@ def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0)
     c = _build(CheckpointConfig, data, "checkpoint")
     validate_checkpoint(c, collective_timeout_s)
     return c
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The effective timeouts that must nest (docs/agent.md "Timeout hierarchy"); None: not known here (a user's
+    script sets its own collective timeout)."""
+
+    hang_floor_s: float
+    """0: hang detection off (no rule involving it applies)."""
+    lease_ttl_s: float
+    join_grace_s: float
+    rejoin_wait_s: float
+    rdzv_timeout_s: float
+    collective_timeout_s: Optional[float] = None
+
+    @classmethod
+    def of(cls, cfg: "JobConfig") -> "Timeouts":
+        e = cfg.elastic
+        return cls(hang_floor_s=e.hang.floor_s, lease_ttl_s=e.lease_ttl_s, join_grace_s=e.join_grace_s,
+                   rejoin_wait_s=e.rejoin_wait_s, rdzv_timeout_s=e.rdzv_timeout_s,
+                   collective_timeout_s=cfg.train.collective_timeout_s)
+
+    def check(self) -> None:
+        """Refuse a pair that nests the wrong way, in one line naming both settings, why, and the fix.
+        (checkpoint.storage_wait_s < train.collective_timeout_s is checked with the checkpoint section.)"""
+        rules: list[tuple[str, Optional[float], str, Optional[float], str]] = [
+            # (smaller, its value, larger, its value, what goes wrong otherwise)
+            ("elastic.hang.floor_s (--heartbeat-timeout)", self.hang_floor_s or None, "train.collective_timeout_s",
+             self.collective_timeout_s, "a hung rank's peers time out in their collective first and exit with a "
+             "timeout error: the hang is never attributed to the rank that stopped"),
+            ("elastic.lease_ttl_s (rdzv-conf lease_ttl)", self.lease_ttl_s,
+             "elastic.rdzv_timeout_s (rdzv-conf join_timeout)", self.rdzv_timeout_s,
+             "a lost node still counts as alive when a re-forming round gives up: the job ends instead of "
+             "re-forming without it"),
+            ("elastic.join_grace_s (rdzv-conf last_call_timeout)", self.join_grace_s,
+             "elastic.rdzv_timeout_s (rdzv-conf join_timeout)", self.rdzv_timeout_s,
+             "the last call for more nodes outlasts the round's deadline: a round waiting for a late node fails"),
+        ]
+        for small, a, large, b, why in rules:
+            if a is not None and b is not None and not a < b:
+                raise ConfigError(f"{small} = {a:g}s must be below {large} = {b:g}s: otherwise {why}; lower the "
+                                  f"first or raise the second (docs/agent.md, \"Timeout hierarchy\")")
+        if self.rejoin_wait_s > self.join_grace_s:
+            raise ConfigError(f"elastic.rejoin_wait_s (rdzv-conf rejoin_wait) = {self.rejoin_wait_s:g}s is longer "
+                              f"than elastic.join_grace_s (rdzv-conf last_call_timeout) = {self.join_grace_s:g}s, "
+                              f"which ends the wait: a lost node would get only "
+                              f"{self.join_grace_s:g}s to come back; raise join_grace_s to at least rejoin_wait_s "
+                              f"(docs/agent.md, \"Timeout hierarchy\")")
 
 
 def validate_elastic(e: ElasticConfig) -> None:

@@ -32,7 +32,8 @@ from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEven
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
 from elastictrain.agent.spares import RECIPE_MODULE, SCRIPT_PREWARM, WarmPool
-from elastictrain.config import ElasticConfig, HangConfig
+from elastictrain.config import ElasticConfig, HangConfig, Timeouts
+from elastictrain.rendezvous.settings import conf_seconds
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,16 @@ def health_from_args(args: argparse.Namespace) -> HealthConfig:
     return HealthConfig.from_hang(hang, expect_beats=expect)
 
 
+def effective_timeouts(rdzv_conf: dict[str, Any], health: HealthConfig) -> Timeouts:
+    """The timeouts this agent will use, flags and `--rdzv-conf` applied (the config file's were checked with it;
+    a flag can still break the order)."""
+    def seconds(key: str) -> float:
+        return conf_seconds(rdzv_conf, key, allow_zero=True)
+    return Timeouts(hang_floor_s=health.hang_floor_s if health.enabled else 0.0, lease_ttl_s=seconds("lease_ttl"),
+                    join_grace_s=seconds("last_call_timeout"), rejoin_wait_s=seconds("rejoin_wait"),
+                    rdzv_timeout_s=seconds("join_timeout"))
+
+
 def parse_args(argv: Sequence[str], elastic: ElasticConfig | None = None) -> LaunchRequest:
     """Parse a torchrun-style command line (with our flags) into a launch request; ``elastic`` gives the defaults."""
     return request_from_args(get_args_parser(elastic).parse_args(list(argv)), elastic)
@@ -150,9 +161,11 @@ def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = 
     config, entrypoint, cmd_args = config_from_args(args)
     if elastic is not None:
         config.rdzv_configs = {**rdzv_configs(elastic), **config.rdzv_configs}
+    health = health_from_args(args)
+    effective_timeouts(config.rdzv_configs, health).check()
     user_code = not (args.module and args.training_script == RECIPE_MODULE)
     prewarm = list(dict.fromkeys([*(SCRIPT_PREWARM if user_code else ()), *args.prewarm]))
-    return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health_from_args(args),
+    return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health,
                          event_log=args.event_log, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                          warm_spares=args.warm_spares, prewarm=prewarm)
 

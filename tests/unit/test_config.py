@@ -48,6 +48,11 @@ def test_overrides_are_typed_and_applied():
     ("", ["elastic.rejoin_wait_s=-1"], "rejoin_wait_s"),
     ("", ["elastic.join_grace_s=0"], "join_grace_s"),
     ("", ["checkpoint.storage_wait_s=900"], "checkpoint.storage_wait_s"),
+    # the timeout hierarchy: each pair that nests the wrong way names both settings
+    ("", ["elastic.hang.floor_s=700"], "train.collective_timeout_s"),
+    ("", ["elastic.lease_ttl_s=200"], "elastic.rdzv_timeout_s"),
+    ("", ["elastic.join_grace_s=150"], "elastic.rdzv_timeout_s"),
+    ("", ["elastic.rejoin_wait_s=30"], "elastic.join_grace_s"),
 ])
 def test_bad_config_names_the_field_and_the_fix(tmp_path, text, overrides, must_name):
     with pytest.raises(ConfigError) as e:

@@ -30,6 +30,17 @@ def test_the_elastic_section_sets_lease_join_grace_and_rejoin_wait():
     assert conf["join_timeout"] == 120
 
 
+@pytest.mark.parametrize("flags,names", [
+    (["--rdzv-conf", "lease_ttl=300"], ("rdzv-conf lease_ttl", "rdzv-conf join_timeout")),
+    (["--rdzv-conf", "rejoin_wait=20"], ("rdzv-conf rejoin_wait", "rdzv-conf last_call_timeout")),
+])
+def test_a_flag_that_breaks_the_timeout_hierarchy_is_refused_naming_both(flags, names):
+    """The config file's timeouts nest; a flag given on top of it is checked too."""
+    with pytest.raises(ConfigError) as e:
+        _request(["--config", CONFIG, *ETCD, *flags])
+    assert all(n in str(e.value) for n in names) and "\n" not in str(e.value)
+
+
 def test_a_rdzv_conf_key_given_wins_over_the_one_from_the_config_and_keeps_the_others():
     conf = _request(["--config", CONFIG, *ETCD, "--rdzv-conf", "lease_ttl=2"]).config.rdzv_configs
     assert conf["lease_ttl"] == "2" and conf["last_call_timeout"] == 10
