@@ -5,8 +5,10 @@ its local workers. A datagram is atomic (no torn reads, unlike a shared file), t
 so a slow or dead agent can never stall a training step (a full queue or a missing socket drops the beat),
 and there is nothing per worker to create or clean up. A send costs a few microseconds; beats closer than
 ``min_interval_s`` are skipped unless the phase changes, so calling ``beat`` every step costs well under a
-microsecond in the common case. The agent needs progress, not every step: it derives step time from
-(time, step) deltas between the beats it does receive.
+microsecond in the common case. Only a beat that was sent counts: after a dropped one (the agent's queue holds
+few datagrams, ``net.unix.max_dgram_qlen``) the next beat is sent whatever its phase and timing, so a dropped
+phase change ("save", "done") reaches the agent with the next beat instead of never. The agent needs progress,
+not every step: it derives step time from (time, step) deltas between the beats it does receive.
 
 The socket path lives in a 0700 directory made by the agent, so other users cannot spoof beats.
 
@@ -199,17 +201,19 @@ class Heartbeat:
         now = time.monotonic()
         if phase == self._last_phase and now - self._last_sent < self._min_interval:
             return
-        self._last_sent = now
-        self._last_phase = phase
         # The pid per send, not per emitter: a forked child must not pass for its parent.
         data = _WIRE.pack(_WIRE_VERSION, _PHASE_CODE[phase], self._local_rank, os.getpid(), step, now)
         try:
             self._sock.sendto(data, self._addr)
         except OSError as e:
             # A full queue or a vanished agent must never stop training; the agent judges silence, not us.
+            # Not recorded as sent: the next beat goes out unthrottled, so a dropped phase change is sent again.
             if not self._warned:
                 self._warned = True
                 log.warning("heartbeat to %s dropped (%s); further drops are not logged", self._addr, e)
+            return
+        self._last_sent = now
+        self._last_phase = phase
 
     def event(self, kind: str, **fields: Any) -> None:
         """Report an event for the job's event log (through the agent); ``kind`` starts with ``checkpoint_``.

@@ -80,6 +80,33 @@ def test_full_agent_queue_drops_beats_without_blocking(channel):
     assert 0 < len(channel.drain()[0]) <= 5000
 
 
+def _fill(addr: str) -> socket.socket:
+    """Another sender's datagrams fill the agent's queue (the agent not reading) until the next send fails."""
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    beat = Beat(local_rank=9, pid=1, step=0, phase="train", time=0.0).pack()
+    while True:
+        try:
+            filler.sendto(beat, addr)
+        except BlockingIOError:
+            return filler
+
+
+def test_a_phase_change_dropped_by_a_full_queue_is_sent_again_by_the_next_beat(channel):
+    """A dropped "save" used to count as sent: the throttle then skipped it, so the agent saw the save's silence
+    as a hang in phase 'train'."""
+    hb = Heartbeat(channel.addr, min_interval_s=60.0)
+    hb.beat(4, "train")
+    filler = _fill(channel.addr)
+    hb.beat(4, "save")  # dropped: EAGAIN
+    first = [(b.step, b.phase) for b in channel.drain()[0] if b.local_rank != 9]
+    hb.beat(4, "save")  # within the throttle interval, but the agent has not seen this phase yet
+    hb.beat(4, "save")  # this one it has: throttled
+    second = [(b.step, b.phase) for b in channel.drain()[0] if b.local_rank != 9]
+    filler.close()
+    assert (first, second) == ([(4, "train")], [(4, "save")])
+
+
 def test_beat_every_step_costs_microseconds(channel):
     hb = Heartbeat(channel.addr)
     n = 20000
