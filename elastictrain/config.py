@@ -150,9 +150,9 @@ class CheckpointConfig:
 class HangConfig:
     """Hang detection (the agent's rule, docs/agent.md "Hang rule"); flags `--heartbeat-*` override each field."""
 
-    floor_s: float = 30.0
-    """Floor of the train-phase timeout max(floor_s, step_time_multiplier x p95 step time); 0 turns hang
-    detection off."""
+    floor_s: float = 5.0
+    """Floor of the train-phase timeout max(floor_s, step_time_multiplier x p99 step time, 1.5 x the longest step);
+    0 turns hang detection off."""
     step_time_multiplier: float = 5.0
     startup_timeout_s: float = 300.0
     """Time a worker may take to send its first heartbeat (see `expect_heartbeats`)."""

@@ -253,7 +253,8 @@ class ElasticAgent(LocalElasticAgent):
             with torch_starts_workers_with(self._warm.start_processes):
                 pids = super()._start_workers(worker_group)
             self._refill = True
-        self._health.reset(pids, self._clock())
+        world = worker_group.workers[0].world_size if worker_group.workers else 0
+        self._health.reset(pids, self._clock(), world_size=world)
         if self._warm is not None:
             log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
                      self._warm.cold)

@@ -4,12 +4,17 @@ Rule: a running worker is hung when it has made no progress for longer than the 
   - never beat since it started:          ``startup_timeout_s``, only when ``expect_beats`` or once any worker of
                                           this monitor has beaten (a user's script that never beats is never
                                           judged; its exits are seen by the agent's worker monitor all the same)
-  - train, calibrated (enough step times): ``max(hang_floor_s, step_time_multiplier x p95 step time)``
-  - train, not yet calibrated:             ``warmup_timeout_s`` (first steps may compile, warm caches)
+  - train, calibrated (enough step times): ``max(hang_floor_s, step_time_multiplier x p99 step time,
+                                          longest_step_factor x the longest step seen)``
+  - train, not yet calibrated, after a restart at the same world size: twice the previous group's calibrated
+                                          timeout (its calibration outlives the workers; the first steps of a new
+                                          process are slower)
+  - train, not yet calibrated otherwise:  ``warmup_timeout_s`` (first steps may compile, warm caches)
   - init / load / save / paused / done:   their own allowance (never below the floor)
 Progress in ``train`` means a higher step; in the other phases any beat counts, since they do not advance steps.
 Step times are (time, step) deltas between consecutive train beats, pooled over the node's workers
-(they step in lockstep) and reset with every new worker group (the world size, hence step time, may change).
+(they step in lockstep), leaving out each worker's first step of a group (page faults, first snapshot), and
+re-calibrated with every new worker group (the world size, hence step time, may change).
 """
 
 from __future__ import annotations
@@ -33,8 +38,12 @@ class HealthConfig:
     enabled: bool = True
     hang_floor_s: float = _HANG.floor_s
     step_time_multiplier: float = _HANG.step_time_multiplier
-    step_time_quantile: float = 0.95
-    calibration_min_steps: int = 5
+    step_time_quantile: float = 0.99
+    calibration_min_steps: int = 20
+    """Step times needed before the calibrated timeout applies: enough that a periodic slow step (an eval, a
+    save's staging every 10 steps) is among them."""
+    longest_step_factor: float = 1.5
+    """The timeout stays above this multiple of the longest step seen, however rare (slower than the quantile)."""
     calibration_window: int = 200
     startup_timeout_s: float = _HANG.startup_timeout_s
     expect_beats: bool = True
@@ -85,6 +94,8 @@ class WorkerHealth:
     train_mark: tuple[float, int] | None = None
     first_step: int | None = None
     """The step of its first train beat: where this group resumed (the restart policy judges progress by it)."""
+    sampled: bool = False
+    """Its first step time of this group was seen (and left out of the calibration)."""
 
 
 @dataclass(frozen=True)
@@ -116,14 +127,21 @@ class HealthMonitor:
     beats_seen: bool = False
     """Some worker of this monitor (any group so far) has sent a beat: its workers do use heartbeats."""
     _step_times: deque[float] = field(init=False)
+    _longest: float = 0.0
+    _world_size: int = 0
+    _prior: tuple[int, float] | None = None
+    """(world size, calibrated train timeout) of the last group that calibrated."""
 
     def __post_init__(self) -> None:
         self._step_times = deque(maxlen=self.config.calibration_window)
 
-    def reset(self, pids: Mapping[int, int], now: float) -> None:
-        """Start watching a new worker group (local_rank -> pid), started at ``now``."""
+    def reset(self, pids: Mapping[int, int], now: float, world_size: int = 0) -> None:
+        """Start watching a new worker group (local_rank -> pid) of ``world_size`` ranks, started at ``now``."""
+        if self.step_time() is not None:
+            self._prior = (self._world_size, self.timeout_for("train")[0])
         self.workers = {lr: WorkerHealth(local_rank=lr, pid=pid, started=now) for lr, pid in pids.items()}
         self._step_times.clear()
+        self._longest, self._world_size = 0.0, world_size
 
     def rebase(self, now: float) -> None:
         """Restart every worker's silence clock at ``now``: the watcher itself was held up and missed beats."""
@@ -146,7 +164,11 @@ class HealthMonitor:
             mark = w.train_mark
             if mark is None or beat.step > mark[1]:
                 if mark is not None and beat.time >= mark[0]:
-                    self._step_times.append((beat.time - mark[0]) / (beat.step - mark[1]))
+                    if w.sampled:
+                        sample = (beat.time - mark[0]) / (beat.step - mark[1])
+                        self._step_times.append(sample)
+                        self._longest = max(self._longest, sample)
+                    w.sampled = True
                 w.train_mark = (beat.time, beat.step)
         else:
             # a new train baseline after any other phase: a save or load is not a step
@@ -184,11 +206,16 @@ class HealthMonitor:
         if phase == "train":
             st = self.step_time()
             if st is None:
+                if self._prior is not None and self._world_size and self._prior[0] == self._world_size:
+                    t = max(c.hang_floor_s, 2 * self._prior[1])
+                    return t, (f"2 x the previous group's calibrated timeout {self._prior[1]:.1f}s, until this group "
+                               f"calibrates")
                 t = max(c.hang_floor_s, c.warmup_timeout_s)
                 return t, f"warm-up allowance {t:g}s, step time not calibrated yet"
-            t = max(c.hang_floor_s, c.step_time_multiplier * st)
+            t = max(c.hang_floor_s, c.step_time_multiplier * st, c.longest_step_factor * self._longest)
             return t, (f"timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
-                       f"{c.step_time_multiplier:g} x p{round(c.step_time_quantile * 100)} step time {st:.3f}s)")
+                       f"{c.step_time_multiplier:g} x p{round(c.step_time_quantile * 100)} step time {st:.3f}s, "
+                       f"{c.longest_step_factor:g} x longest step {self._longest:.3f}s)")
         allowance = {"init": c.init_timeout_s, "load": c.load_timeout_s, "save": c.save_timeout_s,
                      "paused": c.paused_timeout_s, "done": c.done_timeout_s}[phase]
         t = max(c.hang_floor_s, allowance)

@@ -29,15 +29,17 @@ class AgentRun:
     """One agent subprocess, its progress dir and event log; kills what is left of it at the end."""
 
     def __init__(self, tmp: Path, steps: int, max_restarts: int = 1, name: str = "node",
-                 rdzv: tuple[str, ...] = ("--standalone",), nproc: int = 2, progress: Path | None = None):
+                 rdzv: tuple[str, ...] = ("--standalone",), nproc: int = 2, progress: Path | None = None,
+                 hang_floor_s: float | None = HANG_FLOOR_S):
+        """`hang_floor_s` None: the agent's default hang settings."""
         self.progress = progress or tmp / "progress"
         self.progress.mkdir(exist_ok=True)
         self.ranks = (0, 1)
         self.events_path = tmp / f"events-{name}.jsonl"
         self.log_path = tmp / f"agent-{name}.log"
         cmd = [sys.executable, "-m", "elastictrain.agent.launch", *rdzv, "--nproc-per-node", str(nproc),
-               "--max-restarts", str(max_restarts), "--heartbeat-timeout", str(HANG_FLOOR_S),
-               "--event-log", str(self.events_path),
+               "--max-restarts", str(max_restarts),
+               *(("--heartbeat-timeout", str(hang_floor_s)) if hang_floor_s is not None else ()), "--event-log", str(self.events_path),
                str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", "0.05"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._log = open(self.log_path, "w")
@@ -120,8 +122,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_sigstopped_worker_is_detected_as_hang_and_group_restarts_and_finishes(agent_run):
-    run = agent_run(steps=30)
-    victim = run.wait_for_step(15)[1]["pid"]
+    """With the default hang settings: 0.05 s steps calibrate the timeout to its 5 s floor within 20 steps."""
+    run = agent_run(steps=50, hang_floor_s=None)
+    victim = run.wait_for_step(30)[1]["pid"]
     t_fault = time.time()
     os.kill(victim, signal.SIGSTOP)
 
@@ -129,7 +132,7 @@ def test_sigstopped_worker_is_detected_as_hang_and_group_restarts_and_finishes(a
     hang = run.first("hang")
     detect_s = hang["time"] - t_fault
     print(f"hang detected {detect_s:.2f}s after SIGSTOP: {hang['cause']}")
-    assert HANG_FLOOR_S * 0.9 < detect_s < 15.0
+    assert 4.5 < detect_s < 10.0, "the default floor (5 s), not the warm-up allowance nor the old 30 s floor"
     assert hang["workers"][0]["pid"] == victim, "the stopped worker is reported first"
     assert "'stopped'" in hang["cause"].split(";")[0]
     assert run.first("restart")["reason"] == "failure"
