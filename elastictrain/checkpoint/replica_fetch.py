@@ -1,5 +1,6 @@
 """A restarting worker's side of peer replicas: which agents hold a snapshot of its rank (their workers' own or a
-replica), and the copy of one into the worker's own snapshot folder, where `SnapshotStore` restores it as its own.
+replica), and the copy of one into the worker's own snapshot folder, where `SnapshotStore` restores it as its own;
+also the copy of any slot a restore at another world size needs (checkpoint/snapshot_reshard.py).
 
 The agents' list is `peers.json` in the node's snapshot folder, kept current by the agent from the job's etcd node
 records (agent/replication.py): read when the restore runs, after the rendezvous, so it names the agents of this
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.replica_wire import Peer, PeerList, committed_markers, fetch, held
+from elastictrain.checkpoint.snapshot import same_job
 from elastictrain.errors import SnapshotReplicaError
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,15 @@ def find_offers(root: Path, rank: int, identity: dict[str, Any]) -> tuple[dict[i
         for path, marker in entries:
             if peer.node == peers.this_node and path == f"rank{rank}":
                 continue  # this rank's own folder: SnapshotStore judged it already
-            if marker["identity"] != identity:
+            if not same_job(marker["identity"], identity):
                 why.append(f"{path} (step {marker['step']}) on {peer.node} belongs to another job "
                            f"({_differs(marker['identity'], identity)} differ)")
+                continue
+            if marker["identity"].get("world_size") != identity.get("world_size"):
+                # Not this rank's shard at this world size; snapshot_reshard.py loads such snapshots when every
+                # old rank's slot is on a node of the group.
+                why.append(f"{path} (step {marker['step']}) on {peer.node} was taken at world size "
+                           f"{marker['identity'].get('world_size')}")
                 continue
             offers.setdefault(marker["step"], Offer(peer, path, marker["slot"], marker["step"]))
     return offers, why
@@ -79,7 +87,14 @@ def fetch_offer(offer: Offer, rank_dir: Path) -> None:
     there, checksum checked; SnapshotReplicaError when the copy fails."""
     held_steps = {m["slot"]: m["step"] for m in committed_markers(rank_dir)}
     into = min((0, 1), key=lambda k: held_steps.get(k, -1))
+    fetch_slot(offer.peer, offer.path, offer.slot, rank_dir, into)
+
+
+def fetch_slot(peer: Peer, path: str, slot: int, into: Path, into_slot: int = 0) -> dict[str, Any]:
+    """Copy `path/slot<slot>` from the peer's folder into `into/slot<into_slot>`, checksum checked, and commit it
+    there; its marker as committed. SnapshotReplicaError when the copy fails."""
     started = time.monotonic()
-    marker = fetch(offer.peer, offer.path, offer.slot, rank_dir, into, FETCH_TIMEOUT_S)
-    log.info("copied the snapshot of step %d (%d bytes) from %s on node %s in %.2fs", offer.step, marker["nbytes"],
-             offer.path, offer.peer.node, time.monotonic() - started)
+    marker = fetch(peer, path, slot, into, into_slot, FETCH_TIMEOUT_S)
+    log.info("copied the snapshot of step %d (%d bytes) from %s on node %s in %.2fs", marker["step"], marker["nbytes"],
+             path, peer.node, time.monotonic() - started)
+    return marker

@@ -6,17 +6,18 @@ agent creates for the run and removes when the job ends). A restarted worker on 
 and resumes from the step before the crash, without a storage read and without recomputing steps.
 
 Layout, per rank: two slots, each `rank<r>/slot<k>.bin` (the tensors' bytes, back to back), `slot<k>.meta` (pickled
-layout: per tensor its key path, dtype, shape and offset; the non-tensor values) and `slot<k>.json`, the slot's
-commit marker (step, identity, size, checksum of the bytes). A save takes the older slot, removes its marker first,
-writes the bytes and the layout, then renames the new marker into place: a crash in the middle of a copy leaves
-the other slot's snapshot committed, never a torn one. Two slots also let ranks that died one step apart agree on
-a step they all hold. A load checks the identity (run, fingerprint, world size, checkpoint URL) and the
-checksum;
-anything that does not match is not used, with the reason returned to the caller.
+layout: per tensor its key path, dtype, shape and offset, and for a DTensor the global shape and this shard's global
+offset; the non-tensor values) and `slot<k>.json`, the slot's commit marker (step, identity, size, checksum of the
+bytes). A save takes the older slot, removes its marker first, writes the bytes and the layout, then renames the new
+marker into place: a crash in the middle of a copy leaves the other slot's snapshot committed, never a torn one.
+Two slots also let ranks that died one step apart agree on a step they all hold. A load checks the identity (run,
+fingerprint, world size, checkpoint URL) and the checksum; anything that does not match is not used, with the reason
+returned to the caller.
 
 Restoring fills the live state in place: each tensor of a freshly taken state dict (a DTensor's local shard)
 receives the saved bytes, each other value is replaced, then every `Stateful` gets `load_state_dict`. It needs the
-same world size and sharding as the save (the rank's own shard); other cases fall back to the durable tier.
+same world size and sharding as the save (the rank's own shard). A snapshot of the same job at another world size
+is not "another job": checkpoint/snapshot_reshard.py loads the old ranks' slots together through DCP instead.
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class SnapshotInfo:
 
 
 def _leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """(path, value) of every leaf of nested dicts/lists/tuples."""
-    if isinstance(obj, dict):
+    """(path, value) of every leaf of nested dicts/lists/tuples; an empty dict or list is a leaf too (a restore
+    rebuilds the structure from the leaves, and would lose it otherwise)."""
+    if isinstance(obj, dict) and (obj or not path):
         for k in obj:
             yield from _leaves(obj[k], (*path, k))
-    elif isinstance(obj, list):  # a tuple is a leaf (immutable: replaced whole on restore)
+    elif isinstance(obj, list) and (obj or not path):  # a tuple is a leaf (immutable: replaced whole on restore)
         for i, v in enumerate(obj):
             yield from _leaves(v, (*path, i))
     else:
@@ -81,6 +83,11 @@ def _materialise(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
 
+def same_job(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two snapshot identities name the same job; the world size may differ (a re-form at another size)."""
+    return {k: v for k, v in a.items() if k != "world_size"} == {k: v for k, v in b.items() if k != "world_size"}
+
+
 def _checksum(buf: torch.Tensor) -> int:
     whole = buf.numel() // 8 * 8
     words = int(buf[:whole].view(torch.int64).sum()) if whole else 0  # torch's integer sum wraps around
@@ -98,6 +105,7 @@ class SnapshotStore:
         self._check_room, self._room_checked = check_room, 0
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
         self._buffers: dict[int, torch.Tensor] = {}
+        self._chunks: dict[tuple, tuple] = {}
         self._pending: Optional[_Copy] = None
         self.last: Optional[SnapshotInfo] = None
         """The newest snapshot this store committed."""
@@ -119,12 +127,13 @@ class SnapshotStore:
         slot = min((0, 1), key=lambda k: held.get(k, -1))
         flat = _materialise(state)
         copies: list[tuple[torch.Tensor, int, int, bool]] = []  # (tensor, offset, bytes, deferred)
-        objects, layout, offset = [], [], 0
+        objects, layout, chunks, offset = [], [], [], 0
         for path, value in _leaves(flat):
             if isinstance(value, torch.Tensor):
                 local = _local(value).detach()
                 n = local.numel() * local.element_size()
                 layout.append((path, str(local.dtype).removeprefix("torch."), tuple(local.shape), offset, n))
+                chunks.append(self._chunk(value) if isinstance(value, DTensor) else None)
                 if n:
                     copies.append((local, offset, n, storage_key(local) in later))
                 offset += n
@@ -138,7 +147,7 @@ class SnapshotStore:
         buf = self._buffer(slot, offset)
         _copy_into(buf, [c for c in copies if not c[3]])
         with open(self.dir / f"slot{slot}.meta", "wb") as f:
-            pickle.dump({"layout": layout, "objects": objects, "keys": sorted(flat)}, f,
+            pickle.dump({"layout": layout, "objects": objects, "keys": sorted(flat), "chunks": chunks}, f,
                         protocol=pickle.HIGHEST_PROTOCOL)
         deferred = [c for c in copies if c[3]]
         if not deferred:
@@ -149,6 +158,19 @@ class SnapshotStore:
             ready.record()  # the copy stream starts after the work queued so far (the optimizer step)
         self._pending = _Copy(self, step, slot, buf, offset, deferred, ready)
         return None
+
+    def _chunk(self, value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(global shape, this shard's global offset) of a DTensor, as DCP's planner sees it (what a restore at
+        another world size reshards from). Computed once per sharding spec, which torch shares between the state
+        dicts it builds: DTensor's helper takes ~0.1 ms a tensor, its public properties ~3 us, every step."""
+        spec = value._spec
+        hit = self._chunks.get(id(spec))
+        if hit is None or hit[0] is not spec:
+            if len(self._chunks) > 1 << 16:  # specs that were not shared after all: start over, do not grow
+                self._chunks.clear()
+            chunk = value.__create_chunk_list__()[0]
+            hit = self._chunks[id(spec)] = (spec, tuple(value.shape), tuple(chunk.offsets))
+        return hit[1], hit[2]
 
     def wait(self) -> Optional[SnapshotInfo]:
         """Finish the save in flight, if any: its commit info, or the error that stopped it (raised once)."""
@@ -196,37 +218,20 @@ class SnapshotStore:
         """This job's committed snapshots, newest first, and why any other one is not usable."""
         usable, why = [], []
         for info in self._committed():
-            if info.identity != self.identity:
+            if not same_job(info.identity, self.identity):
                 differs = sorted(k for k in set(info.identity) | set(self.identity)
                                  if info.identity.get(k) != self.identity.get(k))
                 why.append(f"snapshot of step {info.step} belongs to another job ({', '.join(differs)} differ)")
-            else:
+            elif info.identity.get("world_size") == self.identity.get("world_size"):
                 usable.append(info)
+            # else: this job at another world size; not this rank's own shard (snapshot_reshard.py uses it)
         return sorted(usable, key=lambda i: -i.step), why
-
-    def _read(self, info: SnapshotInfo) -> torch.Tensor:
-        """The slot's bytes, checked against the marker's size and checksum (ValueError naming what is wrong)."""
-        path = self.dir / f"slot{info.slot}.bin"
-        try:
-            size = path.stat().st_size
-        except OSError as e:
-            raise ValueError(f"snapshot of step {info.step} is unreadable: {e}") from None
-        if size < info.nbytes:
-            raise ValueError(f"snapshot of step {info.step} is truncated")
-        buf = torch.from_file(str(path), shared=False, size=max(info.nbytes, 1), dtype=torch.uint8)[:info.nbytes]
-        if _checksum(buf) != info.checksum:
-            raise ValueError(f"snapshot of step {info.step} is corrupt (checksum mismatch)")
-        return buf
 
     def restore(self, info: SnapshotInfo, state: dict[str, Any]) -> None:
         """Fill `state` in place from the snapshot `info` (from `available()`); ValueError, with nothing changed,
         when it is damaged or does not fit."""
-        buf = self._read(info)
-        try:
-            with open(self.dir / f"slot{info.slot}.meta", "rb") as f:
-                meta = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError) as e:
-            raise ValueError(f"snapshot of step {info.step}: unreadable layout ({e})") from None
+        buf = read_slot(self.dir, info)
+        meta = read_layout(self.dir, info)
         flat = _materialise(state)
         if sorted(flat) != meta["keys"]:
             raise ValueError(f"snapshot keys {meta['keys']} differ from the state's {sorted(flat)}")
@@ -302,6 +307,31 @@ class _Copy:
             raise self.error
         assert self.info is not None
         return self.info
+
+
+def read_slot(rank_dir: Path, info: SnapshotInfo, verify: bool = True) -> torch.Tensor:
+    """A committed slot's bytes, checked against its marker's size and checksum (ValueError naming what is wrong);
+    `verify=False` for a slot whose checksum was checked as it was written (a copy from a peer)."""
+    path = rank_dir / f"slot{info.slot}.bin"
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ValueError(f"snapshot of step {info.step} is unreadable: {e}") from None
+    if size < info.nbytes:
+        raise ValueError(f"snapshot of step {info.step} is truncated")
+    buf = torch.from_file(str(path), shared=False, size=max(info.nbytes, 1), dtype=torch.uint8)[:info.nbytes]
+    if verify and _checksum(buf) != info.checksum:
+        raise ValueError(f"snapshot of step {info.step} is corrupt (checksum mismatch)")
+    return buf
+
+
+def read_layout(rank_dir: Path, info: SnapshotInfo) -> dict[str, Any]:
+    """A slot's unpickled layout (`layout`, `objects`, `keys`, `chunks`); ValueError when it cannot be read."""
+    try:
+        with open(rank_dir / f"slot{info.slot}.meta", "rb") as f:
+            return pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"snapshot of step {info.step}: unreadable layout ({e})") from None
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -17,6 +19,15 @@ from elastictrain.checkpoint.manager import CheckpointManager, EventSink
 from elastictrain.checkpoint.replica_fetch import Offer, fetch_offer, find_offers
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotInfo, SnapshotStore, storage_key
 from elastictrain.checkpoint.snapshot_budget import room_check
+from elastictrain.checkpoint.snapshot_reshard import (
+    Candidate,
+    Holding,
+    Reshard,
+    newest_complete,
+    node_name,
+    read_shards,
+    scan,
+)
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import SnapshotError, SnapshotReplicaError
 from elastictrain.runtime.heartbeat import Heartbeat
@@ -51,10 +62,12 @@ class Resumed:
 @dataclass(frozen=True)
 class _Held:
     """What one rank could restore from: the steps of its snapshots (its own, or a peer's copy), and why any other
-    snapshot it found does not serve."""
+    snapshot it found does not serve; its node, and (one rank per node) the node's slots at any world size."""
 
     steps: tuple[int, ...]
     why: tuple[str, ...]
+    node: str = ""
+    slots: tuple[Holding, ...] = ()
 
 
 def _none_in_common(held: list[_Held], shown: int = 8) -> str:
@@ -114,16 +127,23 @@ class StateCheckpointer:
     def _restore_snapshot(self) -> Optional[Resumed]:
         if self.snapshots is None or self.cfg.resume != "auto":
             return None
+        root = self.snapshots.dir.parent
         mine, why = self.snapshots.available()
         offers: dict[int, Offer] = {}
         if not mine:  # a lost node's rank, or one that moved at a re-form: a peer's agent may hold its snapshot
-            offers, more = find_offers(self.snapshots.dir.parent, self.rank, self.snapshots.identity)
+            offers, more = find_offers(root, self.rank, self.snapshots.identity)
             why += more
-        held = self._all_gather(_Held(tuple(sorted({i.step for i in mine} | set(offers))), tuple(why)))
+        # One rank per node lists the node's slots of every world size (a re-form at another size reshards them).
+        slots = tuple(scan(root, self.snapshots.identity)) if os.environ.get("LOCAL_RANK", "0") == "0" else ()
+        held = self._all_gather(_Held(tuple(sorted({i.step for i in mine} | set(offers))), tuple(why),
+                                      node_name(root), slots))
         common = set(held[0].steps).intersection(*(h.steps for h in held[1:]))
+        other, lacking = newest_complete([s for h in held for s in h.slots], self.world_size)
+        if other is not None and other.step > max(common, default=-1):
+            return self._restore_resharded(other, held)
         if not common:
-            if any(h.steps or h.why for h in held):
-                self._skip_snapshot(None, _none_in_common(held))
+            if any(h.steps or h.why for h in held) or lacking:
+                self._skip_snapshot(None, "; ".join(filter(None, (_none_in_common(held), lacking))))
             return None
         step = max(common)
         durable = self.mgr.newest_step()
@@ -155,6 +175,74 @@ class StateCheckpointer:
             raise SnapshotError(f"the in-memory snapshot of step {step} could not be restored ({reason}) and there "
                                 f"is no durable checkpoint; it was dropped, a restart starts over")
         return None
+
+    def _restore_resharded(self, candidate: Candidate, held: list[_Held]) -> Optional[Resumed]:
+        """Restore a snapshot taken at another world size (snapshot_reshard.py), if newer than the durable tier:
+        the old ranks' layouts gathered, then each rank plans, reads or copies its old slots, and loads; the ranks
+        agree after each part, so a missing or corrupt slot leaves every state untouched."""
+        durable = self.mgr.newest_step()
+        step = candidate.step
+        if durable is not None and durable >= step:
+            return None
+        assert self.snapshots is not None
+        started, root = time.monotonic(), self.snapshots.dir.parent
+        lister = {}
+        for r, h in enumerate(held):
+            if h.slots:
+                lister.setdefault(h.node, r)  # the rank that listed a node's slots reads their layouts
+        shards, error = {}, None
+        try:
+            shards = {old: read_shards(root, holders[0]) for old, holders in enumerate(candidate.holders)
+                      if lister[holders[0].node] == self.rank}
+        except ValueError as e:
+            error = str(e)
+        gathered = self._all_gather((shards, error))
+        if self._failed_on_some(step, [e for _, e in gathered]):
+            return None
+        state = self.state.checkpoint_state(self.rank, for_load=True)
+        reshard: Optional[Reshard] = None
+        try:
+            try:
+                reshard = Reshard(candidate, {old: s for part, _ in gathered for old, s in part.items()}, state,
+                                  root, held[self.rank].node, self.rank)
+                reshard.obtain(reshard.plan())
+                error = None
+            except (ValueError, RuntimeError, KeyError, OSError, SnapshotReplicaError) as e:
+                error = f"{type(e).__name__}: {e}" if isinstance(e, (RuntimeError, KeyError)) else str(e)
+            outcomes = self._all_gather((error, tuple(reshard.fetched_from) if reshard is not None else ()))
+            if self._failed_on_some(step, [e for e, _ in outcomes]):
+                return None
+            assert reshard is not None
+            try:
+                reshard.load()
+                error = None
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors derive from BaseException
+                error = str(e)
+        finally:
+            if reshard is not None:
+                reshard.close()
+        if self._failed_on_some(step, self._all_gather(error)):
+            if durable is None:
+                raise SnapshotError(f"the in-memory snapshot of step {step} could not be loaded at world size "
+                                    f"{self.world_size} and there is no durable checkpoint; a restart starts over")
+            return None
+        fetched = [node for _, nodes in outcomes for node in nodes]
+        seconds = time.monotonic() - started
+        log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs, "
+                 "%d slot(s) copied from peers; newest durable checkpoint: %s)", step, candidate.world_size,
+                 self.world_size, seconds, len(fetched), durable)
+        self._emit("checkpoint_snapshot_loaded", {
+            "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds,
+            "fetched_slots": len(fetched), "from_nodes": sorted(set(fetched))[:8]})
+        self.mgr.restored_elsewhere(state)
+        return Resumed(f"snapshot:step-{step}", step, reseed=True)
+
+    def _failed_on_some(self, step: int, errors: list[Optional[str]]) -> bool:
+        """Whether any rank failed (then reported as the snapshot's skip, naming each failed rank)."""
+        if not any(errors):
+            return False
+        self._skip_snapshot(step, "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        return True
 
     def _fetch(self, offer: Offer) -> SnapshotInfo:
         """Copy a peer's copy of this rank's snapshot into this rank's folder; its commit info there."""

@@ -176,6 +176,8 @@ def test_a_rank_whose_node_lost_its_snapshot_restores_bitwise_from_a_peers_repli
 
 
 def test_a_replica_of_another_world_size_is_not_loaded_and_the_skip_event_says_why(tmp_path, monkeypatch, server):
+    """Rank 0's slot of a 2-rank snapshot, on a node outside the group: not this rank's shard at world size 1, and no
+    node of the group holds rank 1's to reshard from (tests/integration/checkpoint/test_snapshot_reshard.py)."""
     _lost_node_snapshot(tmp_path, monkeypatch, server, identity_world_size=2)
     ckpt = _checkpointer(tmp_path, monkeypatch, "new")
     events = []
@@ -183,7 +185,7 @@ def test_a_replica_of_another_world_size_is_not_loaded_and_the_skip_event_says_w
     try:
         assert ckpt.restore() is None  # nothing durable either: a fresh start
         (skipped,) = [f for name, f in events if name == "checkpoint_snapshot_skipped"]
-        assert "node-b belongs to another job (world_size differ)" in skipped["reason"], skipped
+        assert "on node-b was taken at world size 2" in skipped["reason"], skipped
         assert ckpt.state.step == 0
     finally:
         ckpt.close()

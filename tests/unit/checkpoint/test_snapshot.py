@@ -100,13 +100,16 @@ def test_a_corrupt_snapshot_is_refused_and_leaves_the_state_untouched(tmp_path):
     assert store.available()[0] == []
 
 
-def test_a_snapshot_of_another_job_or_world_size_is_never_offered(tmp_path):
+def test_a_snapshot_of_another_job_or_world_size_is_never_offered_for_an_in_place_restore(tmp_path):
+    """Another run, fingerprint or URL is another job; the same job at another world size is not (its snapshots are
+    resharded, tests/integration/checkpoint/test_snapshot_reshard.py), but it is not this rank's shard either."""
     state, model, optim = _state(0)
     _train(state, model, optim)
     SnapshotStore(tmp_path, 0, JOB).save(1, state.checkpoint_state(0))
-    for other in ({**JOB, "run": "r2"}, {**JOB, "world_size": 2}, {**JOB, "fingerprint": {"model": "xyz"}}):
+    for other in ({**JOB, "run": "r2"}, {**JOB, "url": "file:///other"}, {**JOB, "fingerprint": {"model": "xyz"}}):
         usable, why = SnapshotStore(tmp_path, 0, other).available()
         assert usable == [] and "belongs to another job" in why[0]
+    assert SnapshotStore(tmp_path, 0, {**JOB, "world_size": 2}).available() == ([], [])
 
 
 def test_a_full_dev_shm_turns_snapshots_off_and_training_goes_on(tmp_path, monkeypatch):
