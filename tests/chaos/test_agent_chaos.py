@@ -13,12 +13,14 @@ compared with a tolerance: a world size other than the expected one fails the te
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.agent.status import read_events
 from elastictrain.chaos.process_signals import drain_node, signal_worker
 from elastictrain.rendezvous.client import EtcdClient
@@ -75,9 +77,17 @@ def assert_recovered(job: Job, saved_before: set[int], sizes: dict[int, int]) ->
 
 def replay_on_one_rank(job: Job, reference: Reference, from_step: int, out: Path) -> dict:
     """The history "2 ranks up to `from_step`, then 1" without faults: 1 rank resumed from the reference's
-    checkpoint of `from_step` (plain torchrun, the job's config)."""
+    checkpoint of `from_step` (plain torchrun, the job's config). The reference checkpoints every 4 steps; the state
+    of a step in between comes from 2 ranks resumed from the checkpoint before it, stopped at that step (stop_at: the
+    LR schedule still spans the job's steps)."""
+    resume = reference.checkpoint(from_step - from_step % 4)
+    if from_step % 4:
+        two = out / "two-ranks"
+        run_recipe(two, 2, [*job.overrides, f"train.output_dir={two}", f"checkpoint.url={two}/ckpt",
+                            f"checkpoint.resume={resume}", f"train.stop_at={from_step}"])
+        resume = Reference({}, f"{two}/ckpt").checkpoint(from_step)
     return run_recipe(out, 1, [*job.overrides, f"train.output_dir={out}", f"checkpoint.url={out}/ckpt",
-                               f"checkpoint.resume={reference.checkpoint(from_step)}"])
+                               f"checkpoint.resume={resume}"])
 
 
 def _etcd(job: Job):
@@ -161,14 +171,24 @@ def test_a_node_sigkilled_then_one_drained_each_rejoin_by_the_same_command(rejoi
     assert restarts_charged(job) == charged, "a drain must not spend the restart budget"
 
 
-def test_first_agent_killed_the_other_node_finishes_alone(job, reference, tmp_path):
+def test_first_agent_killed_the_other_node_finishes_alone_from_the_resharded_snapshot(job, reference, tmp_path):
+    """Node a (the first agent, rank 0) SIGKILLed for good, its RAM with it: b re-forms alone, at world size 1, and
+    resumes from the 2-rank in-memory snapshot (its own rank's slot and a's, replicated to b), resharded, at most
+    one completed step before the kill; it ends bitwise where 2 ranks up to that step, then 1, would."""
+    job.overrides.append("checkpoint.snapshot_every_steps=1")
     a, b = start_two(job)  # a started first: it formed the rendezvous and hosts rank 0
     saved = job.valid_checkpoints()
+    reached = job.max_step()  # see test_snapshot_chaos: every rank, and b's replica of a, hold step reached - 1
     a.kill()
+    for folder in snapshot_base().glob(f"*-{a.pid}"):
+        shutil.rmtree(folder)  # the node's RAM is gone with it (on one machine the folder would outlive it)
     assert job.wait([b]) == [0], job.logs()
-    resumed = job.summary()["start_step"]
-    assert resumed >= max(saved, default=0), f"b resumed from step {resumed}, older than the newest valid checkpoint"
-    # Up to the checkpoint b resumed from, the 2-rank group's steps; from there on, b's alone.
+    summary = job.summary()
+    resumed = summary["start_step"]
+    assert summary["resumed_from"].startswith("snapshot:") and resumed >= reached - 1, (summary, reached)
+    loaded = [e for e in events(job) if e.kind == "checkpoint_snapshot_loaded"]
+    assert loaded and loaded[-1].fields["step"] == resumed and loaded[-1].fields["resharded_from"] == 2, loaded
+    # Up to the step b resumed from, the 2-rank group's steps; from there on, b's alone.
     summary = assert_recovered(job, saved, {s: 2 if s < resumed else 1 for s in range(STEPS)})
     assert_same_train_state(summary, replay_on_one_rank(job, reference, resumed, tmp_path / "replay"))
 
