@@ -55,6 +55,8 @@ class Member:
     replicated_step: Optional[int] = None
     """...and the newest its ring peer `replica_peer` confirmed."""
     replica_peer: Optional[str] = None
+    stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Ranks named slow now (see NodeStatus.stragglers)."""
 
 
 @dataclass
@@ -119,7 +121,7 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
                   phases=phases, heartbeat_age_s=round(max(beats) + age, 1) if beats else None, step=n.step,
                   step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
                   last_event=n.last_event, snapshot_step=n.snapshot_step, replicated_step=n.replicated_step,
-                  replica_peer=n.replica_peer)
+                  replica_peer=n.replica_peer, stragglers=n.stragglers)
 
 
 def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,

@@ -76,7 +76,7 @@ class AgentCollector(Collector):
             yield g
 
         yield from gauge("elastictrain_step", "Newest global step reported by this node's workers", st.step)
-        yield from gauge("elastictrain_step_time_seconds", "Calibrated (p95) step time", st.step_time_s)
+        yield from gauge("elastictrain_step_time_seconds", "Calibrated (p99) step time", st.step_time_s)
         yield from gauge("elastictrain_restarts_used", "Restarts charged to the job-wide budget", st.restarts_used)
         yield from gauge("elastictrain_restarts_max", "The job-wide restart budget", st.max_restarts)
         hb = GaugeMetricFamily("elastictrain_worker_heartbeat_age_seconds", "Seconds since the worker's last "
@@ -85,6 +85,13 @@ class AgentCollector(Collector):
             if w.heartbeat_age_s is not None:
                 hb.add_metric([st.node, str(w.local_rank)], w.heartbeat_age_s)
         yield hb
+        slow = GaugeMetricFamily("elastictrain_straggler_lateness_seconds", "Seconds per step a rank named a "
+                                 "straggler is late (only ranks named now; reported on rank 0's node)",
+                                 labels=["node", "rank"])
+        for rank, info in sorted(st.stragglers.items()):
+            if isinstance(info.get("lateness_s"), (int, float)):
+                slow.add_metric([st.node, rank], float(info["lateness_s"]))
+        yield slow
         up = GaugeMetricFamily("elastictrain_node_up", "1 for this node's current state", labels=["node", "state"])
         up.add_metric([st.node, st.state], 1.0)
         yield up

@@ -78,6 +78,9 @@ class NodeStatus:
     replicated_step: Optional[int] = None
     """The newest snapshot of every local rank that the ring peer `replica_peer` has confirmed."""
     replica_peer: Optional[str] = None
+    stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Ranks of the job named slow now (reported by rank 0, so on its node): global rank -> step (since when),
+    lateness_s (seconds late per step), score (that over the step time)."""
 
     @classmethod
     def from_json(cls, data: bytes) -> "NodeStatus":
@@ -171,8 +174,15 @@ class EtcdStatusPublisher:
             if state != self.status.state:
                 self.status.state_since = now
             self.status.state = state
-            if not kind.startswith("checkpoint_"):  # a worker's checkpoint report is news, not what the node did
+            if not kind.startswith(("checkpoint_", "straggler")):  # a worker's report is news, not the node's doing
                 self.status.last_event = kind
+            if kind == "straggler" and isinstance(fields.get("slow_rank"), int):
+                keep = ("step", "lateness_s", "score")
+                self.status.stragglers[str(fields["slow_rank"])] = {k: fields.get(k) for k in keep}
+            elif kind == "straggler_cleared":
+                self.status.stragglers.pop(str(fields.get("slow_rank")), None)
+            elif kind in ("restart", "join"):
+                self.status.stragglers = {}  # a new group: its ranks are judged afresh
             if "group_rank" in fields:
                 self.status.group_rank = fields["group_rank"]
             if "world_size" in fields:

@@ -79,6 +79,7 @@ def render(view: JobView) -> str:
     else:
         out.append(f"checkpoint: not checked ({view.checkpoint_url})")
     out += _snapshots(view)
+    out += _stragglers(view)
     out.append("")
     rows = [[m.node, m.host, "-" if m.group_rank is None else str(m.group_rank), m.state,
              f"{m.workers} ({','.join(sorted(set(m.phases))) or '-'})", _ago(m.heartbeat_age_s),
@@ -108,6 +109,14 @@ def _snapshots(view: JobView) -> list[str]:
             where = f"replicated to {m.replica_peer} up to step {m.replicated_step}"
         out.append(f"snapshot:   {m.node}: step {m.snapshot_step} in node RAM, {where}")
     return out
+
+
+def _stragglers(view: JobView) -> list[str]:
+    """One line per rank named slow now, slowest first."""
+    slow = {int(r): info for m in view.members if m.state not in ("gone", "left") for r, info in m.stragglers.items()}
+    return [f"straggler:  rank {r}: {info.get('lateness_s', 0):.3f}s late per step "
+            f"({100 * (info.get('score') or 0):.0f}% of the step time) since step {info.get('step')}"
+            for r, info in sorted(slow.items(), key=lambda kv: -(kv[1].get("lateness_s") or 0))]
 
 
 def _no_progress(view: JobView) -> str:

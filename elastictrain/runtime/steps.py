@@ -35,6 +35,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.injected_faults import maybe_inject
+from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,13 @@ class StepLoop:
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
         self._started = False
+        # Straggler timings: when this step's ranks left the last all_reduce, and this rank's first forward since.
+        self._stragglers = StragglerWatch(worker.world_size) if 1 < worker.world_size <= MAX_WORLD else None
+        self._released, self._first_forward = time.monotonic(), 0.0
+        self._forward_hook = None
+        if self._stragglers is not None and state.model is not None:
+            # In front of FSDP's own pre-forward hook, whose all-gather is the step's first collective.
+            self._forward_hook = state.model.register_forward_pre_hook(self._on_forward, prepend=True)
 
     # --- user side ---------------------------------------------------------------------------------------
 
@@ -145,6 +153,9 @@ class StepLoop:
     def close(self, wait: bool) -> None:
         """End the loop's checkpointing: wait for the save in flight (`wait`), or abandon it (an error is on its
         way out: its collectives may never complete); close the sample ledger. Idempotent."""
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         if self.checkpointer is not None:
             if wait:
                 self.checkpointer.close()
@@ -177,6 +188,7 @@ class StepLoop:
             self._launch_seq = int(seq.item())
             self.ledger = SampleLedger(Path(self._audit_dir), w.rank, f"{self._launch_seq:x}")
         w.heartbeat.beat(st.step, "train")
+        self._released, self._first_forward = time.monotonic(), 0.0
 
     def _verify_consistent_start(self) -> None:
         """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint."""
@@ -238,19 +250,48 @@ class StepLoop:
         w.control.poll()
         flags = [float(w.stop_flag.requested), float(w.rank == 0 and w.control.ckpt_requested),
                  float(w.control.paused), float(_names_hash(names))]
-        vec = torch.zeros(_FLAGS + MAX_METRICS, dtype=torch.float64, device=w.device)
+        timed = _FLAGS + MAX_METRICS  # then this step's prelude and busy time of each rank (stragglers.py)
+        vec = torch.zeros(timed + (2 * w.world_size if self._stragglers else 0), dtype=torch.float64, device=w.device)
         vec[:_FLAGS] = torch.tensor(flags, dtype=torch.float64)
         for i, name in enumerate(names):
             vec[_FLAGS + i] = self._pending[name]
+        if self._stragglers is not None:
+            now = time.monotonic()
+            vec[timed + w.rank] = max(0.0, self._first_forward - self._released) if self._first_forward else 0.0
+            vec[timed + w.world_size + w.rank] = now - self._released
         if w.world_size > 1:
             dist.all_reduce(vec)
         out = vec.tolist()
+        if self._stragglers is not None:
+            released, self._released, self._first_forward = self._released, time.monotonic(), 0.0
+            n = w.world_size
+            self._report_stragglers(self._stragglers.observe(self.state.step, out[timed:timed + n],
+                                                             out[timed + n:timed + 2 * n], self._released - released))
         self._pending = {}
         if out[3] != flags[3] * w.world_size:
             raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
                               f"{w.rank}: {names or 'none'}); report the same names on every rank at every step")
         self.metrics = {name: out[_FLAGS + i] for i, name in enumerate(names)}
         return out[0] > 0, out[1] > 0, out[2] > 0
+
+    def _on_forward(self, *_: Any) -> None:
+        if not self._first_forward:
+            self._first_forward = time.monotonic()
+
+    def _report_stragglers(self, changes: list[Change]) -> None:
+        """Rank 0 logs and reports each change (an event, which `status` and the metrics endpoint show)."""
+        if not self.worker.is_main:
+            return
+        for c in changes:
+            # `rank` on an event is the reporting rank's (the agent sets it): the slow one is `slow_rank`.
+            fields = {"slow_rank": c.rank, "step": c.step, "lateness_s": round(c.lateness_s, 4),
+                      "score": round(c.score, 3)}
+            if c.slow:
+                log.warning("rank %d is a straggler: %.3fs late per step (%.0f%% of the step time) over the last "
+                            "steps up to %d", c.rank, c.lateness_s, 100 * c.score, c.step)
+            else:
+                log.info("rank %d is no longer a straggler (step %d)", c.rank, c.step)
+            self.worker.heartbeat.event("straggler" if c.slow else "straggler_cleared", **fields)
 
     def _pause(self) -> bool:
         """Wait at this step boundary until no rank is asked to pause; True when a stop was agreed meanwhile.
@@ -278,6 +319,7 @@ class StepLoop:
                 if w.is_main:
                     log.warning("%s at step %d", "stop requested while paused" if stop else "resumed", step)
                 w.heartbeat.beat(step, "train")
+                self._released, self._first_forward = time.monotonic(), 0.0
                 return bool(stop)
 
     def _log_progress(self) -> None:

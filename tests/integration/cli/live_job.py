@@ -22,8 +22,10 @@ class LiveJob:
     """Agents started in their own sessions; `stop()` signals each agent's process group by PID."""
 
     def __init__(self, endpoint: str, run_id: str, out: Path, steps: int, extra: Optional[list[str]] = None,
-                 overrides: Optional[list[str]] = None):
+                 overrides: Optional[list[str]] = None, env: Optional[dict[str, str]] = None):
+        """`env`: added to every agent's environment (and its workers')."""
         self.endpoint, self.run_id, self.out, self.steps = endpoint, run_id, out, steps
+        self.env = env or {}
         self.extra, self.overrides = extra or [], overrides or []
         self.agents: list[subprocess.Popen] = []
         self.ckpt = out / "ckpt"
@@ -39,7 +41,7 @@ class LiveJob:
             cmd += ["--set", o]
         self.out.mkdir(parents=True, exist_ok=True)
         log = open(self.out / f"agent{len(self.agents)}.log", "w")
-        env = worker_env()
+        env = {**worker_env(), **self.env}
         env["ELASTICTRAIN_LOG_LEVEL"] = "INFO"
         p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.agents.append(p)

@@ -1,6 +1,7 @@
 """The operator CLI against a real job: etcd + 2 `elastictrain run` agents training the tiny model.
 
 One job walks through what an operator sees and does: status (JSON, table, probe exit code), metrics, events,
+a straggler (rank 1 sleeps before every step: the chaos `slow@` fault) named in status, metrics and events,
 `ckpt now`, a killed worker (recovering, then running again from the requested checkpoint, budget charged),
 pause/resume, drain of one node, and finally a lost agent (the probe fails).
 """
@@ -21,6 +22,7 @@ from elastictrain.agent.jobstate import collect
 from elastictrain.cli.target import JobConnection
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.injected_faults import ENV_CHAOS
 from tests.integration.cli.live_job import LiveJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -58,7 +60,7 @@ def _wait_view(target: JobConnection, pred, timeout: float, what: str):
 def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_path: Path):
     # No periodic checkpoints: the only one is the operator's, and recovery must resume from it.
     job = LiveJob(etcd.endpoint, run_id, tmp_path, steps=100_000, extra=["--heartbeat-timeout=60"],
-                  overrides=["checkpoint.every_steps=0"])
+                  overrides=["checkpoint.every_steps=0"], env={ENV_CHAOS: "slow@ms=80,rank=1"})
     ports = [_free_port(), _free_port()]
     settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
     client = EtcdClient(settings)
@@ -85,6 +87,15 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         assert "elastictrain_worker_heartbeat_age_seconds" in metrics
         events = job.cli("events")
         assert events.returncode == 0 and events.stdout.count(" join ") == 2, events.stdout
+
+        # --- the straggler: rank 1 is 80 ms late before every step; named after 20 such steps
+        st = job.wait_status(lambda s: any("1" in m["stragglers"] for m in s["members"]), 90, "a straggler named")
+        named = next(m["stragglers"]["1"] for m in st["members"] if "1" in m["stragglers"])
+        assert 0.05 < named["lateness_s"] < 0.5 and named["score"] > 0.2, named
+        assert all(set(m["stragglers"]) <= {"1"} for m in st["members"]), "only the slow rank is named"
+        assert "straggler:  rank 1: " in job.cli("status").stdout
+        assert any(_scrape(p).get("elastictrain_straggler_lateness_seconds", 0) > 0.05 for p in ports)
+        assert " straggler " in job.cli("events").stdout
 
         # --- ckpt now: saved once, at one step, and shown by status
         r = job.cli("ckpt", "now", "--yes", "--reason", "before maintenance")

@@ -1,0 +1,92 @@
+"""Stragglers: ranks that are alive but slower than the others, named from each step's timing.
+
+Each rank measures, per step, two things the step loop's one all_reduce already carries to every rank:
+
+- ``prelude``: from the end of the previous step (every rank leaves that all_reduce together) to its model's first
+  forward call, the step's first collective under FSDP: data loading, host-side work, the chaos ``slow@`` fault.
+  A rank late here makes the others wait inside their first all-gather, where nothing of ours can see it.
+- ``busy``: from the end of the previous step to entering this step's all_reduce. Every rank waits for the slowest
+  in the model's collectives, so ranks differ here by what they do after the last one (optimizer step, clipping):
+  a rank whose compute is slow arrives last.
+
+A rank's lateness is ``(prelude - typical prelude) + (busy - typical busy)``, where typical is the lower quartile
+over the ranks (the faster of two; robust to a few fast outliers in a big group): about 0 for every rank in a
+healthy group, the straggler's extra time for a slow one. It is reported as a straggler once its lateness exceeds
+``margin`` x the median step time (and ``min_lateness_s``) for ``steps`` steps in a row, and cleared once it stays
+below half that margin for as long. Pure logic: `StepLoop` feeds it and reports the changes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+MAX_WORLD = 1024
+"""Above this many ranks the per-rank timings are not exchanged (2 floats per rank in every step's all_reduce)."""
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    margin: float = 0.2
+    """Lateness, as a fraction of the median step time, that makes a rank slow."""
+    steps: int = 20
+    """Consecutive slow steps before a rank is named (and fast ones before it is cleared)."""
+    min_lateness_s: float = 0.02
+    """Below this a rank is never slow (timer noise on very short steps)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A rank became a straggler (`slow`) or stopped being one, at `step`."""
+
+    rank: int
+    slow: bool
+    step: int
+    lateness_s: float
+    """Median lateness over the steps that decided it."""
+    score: float
+    """That lateness over the median step time."""
+
+
+@dataclass
+class StragglerWatch:
+    world_size: int
+    config: StragglerConfig = field(default_factory=StragglerConfig)
+    slow: dict[int, Change] = field(default_factory=dict)
+    """The ranks named slow now, with the change that named them."""
+    _runs: dict[int, list[float]] = field(default_factory=dict)
+    _step_times: list[float] = field(default_factory=list)
+
+    def observe(self, step: int, prelude: list[float], busy: list[float], step_time: float) -> list[Change]:
+        """Take one step's per-rank timings (seconds) and its duration; the ranks whose state changed."""
+        c = self.config
+        self._step_times = (self._step_times + [step_time])[-c.steps * 5:]
+        typical = statistics.median(self._step_times)
+        mid_prelude, mid_busy = _lower_quartile(prelude), _lower_quartile(busy)
+        changes = []
+        for rank in range(self.world_size):
+            late = (prelude[rank] - mid_prelude) + (busy[rank] - mid_busy)
+            is_slow = rank in self.slow
+            limit = c.margin * typical / (2 if is_slow else 1)
+            flips = late < limit if is_slow else late > max(limit, c.min_lateness_s)
+            run = self._runs.setdefault(rank, [])
+            if not flips:
+                run.clear()
+                continue
+            run.append(late)
+            if len(run) < c.steps:
+                continue
+            lateness = statistics.median(run)
+            change = Change(rank=rank, slow=not is_slow, step=step, lateness_s=lateness,
+                            score=lateness / typical if typical > 0 else 0.0)
+            if change.slow:
+                self.slow[rank] = change
+            else:
+                self.slow.pop(rank, None)
+            run.clear()
+            changes.append(change)
+        return changes
+
+
+def _lower_quartile(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 4]
