@@ -8,6 +8,7 @@ how a hung group is stopped (``_stop_workers``) and what is reported. The rendez
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -215,6 +216,9 @@ class ElasticAgent(LocalElasticAgent):
                 self._channel = None
             if self._warm is not None:
                 self._warm.close()
+            # The agent's run is its process's last work: the interpreter's final collection of the heap torch
+            # and the clients built (seconds, measured 0.3-3.6 s here) would only delay the exit the job waits for.
+            gc.freeze()
 
     def _join_when_warm(self) -> None:
         """Join only once this node's spares have imported the worker code.

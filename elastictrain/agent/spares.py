@@ -30,8 +30,6 @@ from elastictrain.runtime.warmstart import ENV_PREWARM, ENV_WARM_DIR, MODULE, pa
 
 log = logging.getLogger(__name__)
 
-_CLOSE_WAIT_S = 2.0
-
 RECIPE_MODULE = "elastictrain.recipes.lm"
 """The worker module `elastictrain run --config job.yaml` starts when no script is given."""
 
@@ -121,6 +119,15 @@ class Spare:
         assert self.proc.stdin is not None
         self.proc.stdin.write(line.encode() + b"\n")
         self.proc.stdin.close()
+
+    def kill(self) -> None:
+        """SIGKILL the spare's process group (its own session: the spare and anything it started)."""
+        if self.proc.poll() is not None:  # exited and reaped: its pid may be another process's by now
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def dismiss(self) -> None:
         """End of input: an idle spare exits on its own."""
@@ -227,19 +234,17 @@ class WarmPool:
         return SpareHandler(spare, local_rank)
 
     def close(self) -> None:
-        """Dismiss the idle spares (they exit on end of input), kill any that linger; remove the pool's files."""
+        """SIGKILL the idle spares and reap them; remove the pool's files.
+
+        An idle spare holds nothing worth a clean exit, and one still importing reads its end of input only once
+        its imports are done: dismissing and waiting for them held every agent's exit up to 2 s per spare.
+        """
         spares, self._spares = self._spares, []
         for s in spares:
-            s.dismiss()
+            s.kill()
         for s in spares:
-            try:
-                s.proc.wait(timeout=_CLOSE_WAIT_S)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(s.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                s.proc.wait()
+            s.proc.wait()
+            s.dismiss()  # closes our end of its input pipe
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
