@@ -42,8 +42,13 @@ class ModelConfig:
     path: Optional[str] = None
     """A local directory holding a transformers `config.json`; takes precedence over `name`."""
     overrides: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL_OVERRIDES))
-    """Config attributes set on top of the base config (sizes, vocab, dropout...)."""
+    """Config attributes set on top of the base config (sizes, vocab, dropout...). The tiny defaults apply to
+    `name: llama` only, never to a `path`."""
     attn_implementation: str = "sdpa"
+    init: Optional[Literal["random", "pretrained"]] = None
+    """How a fresh start fills the weights (a resume loads its checkpoint instead): `pretrained` reads the
+    safetensors weights in `path`, each rank only its own shards (docs/finetuning.md); `random` initialises from
+    the seed. None: `pretrained` when `path` holds *.safetensors files, else `random`."""
 
 
 @dataclass
@@ -231,8 +236,9 @@ class JobConfig:
 
     def fingerprint(self) -> dict[str, str]:
         """Hashes of the parts that a checkpoint must agree with (model and data layout), per section."""
+        # model.init only says how a fresh start fills the weights: a resume never reads it (nor the weights).
         parts = {
-            "model": self.to_dict()["model"],
+            "model": {k: v for k, v in self.to_dict()["model"].items() if k != "init"},
             "data": {k: v for k, v in self.to_dict()["data"].items()},
             "seed": self.train.seed,
         }
@@ -399,6 +405,8 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
         merged = dict(DEFAULT_MODEL_OVERRIDES) if cfg.model.path is None and cfg.model.name == "llama" else {}
         merged.update(data["model"]["overrides"] or {})
         cfg.model.overrides = merged
+    elif cfg.model.path is not None:
+        cfg.model.overrides = {}
     validate(cfg)
     return cfg
 
@@ -466,9 +474,37 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"train.collective_timeout_s must be > 0 (got {t.collective_timeout_s})")
     validate_elastic(e)
     Timeouts.of(cfg).check()
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path={cfg.model.path!r} is not a directory; point it at a local directory "
+    validate_model(cfg.model)
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Check `model.path` and resolve `model.init` (None: pretrained when the path holds safetensors weights).
+
+    An explicit `pretrained` is not checked against the files here: only a fresh start reads them (and says so
+    when they are missing), and a resume must go on where the weights have been moved or were never copied.
+    """
+    if m.path is not None and not Path(m.path).is_dir():
+        raise ConfigError(f"model.path={m.path!r} is not a directory; point it at a local directory "
                           f"holding a transformers config.json, or remove it to use model.name")
+    if m.init == "pretrained" and m.path is None:
+        raise ConfigError("model.init=pretrained needs model.path, a local transformers directory with "
+                          "*.safetensors weights; set it, or set model.init=random")
+    if m.init is None:
+        weights = safetensors_files(m.path) if m.path is not None else []
+        if m.path is not None and not weights and torch_weight_files(m.path):
+            raise ConfigError(f"model.path={m.path!r} holds PyTorch .bin weights but no *.safetensors; convert "
+                              f"them to safetensors, or set model.init=random to train from random weights")
+        m.init = "pretrained" if weights else "random"
+
+
+def safetensors_files(path: str | Path) -> list[str]:
+    """The *.safetensors weight files directly in `path`, sorted."""
+    return sorted(p.name for p in Path(path).glob("*.safetensors") if p.is_file())
+
+
+def torch_weight_files(path: str | Path) -> list[str]:
+    """The PyTorch *.bin files in `path` (not read: only safetensors are)."""
+    return sorted(p.name for p in Path(path).glob("*.bin") if p.is_file())
 
 
 def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> None:

@@ -30,6 +30,7 @@ from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import ElastictrainError
 from elastictrain.logs import setup_logging
 from elastictrain.recipes.model import build_optimizer, build_sharded, init_weights
+from elastictrain.recipes.pretrained import load_pretrained
 from elastictrain.runtime.data import build_source
 from elastictrain.runtime.exitcodes import exit_fatal
 
@@ -62,7 +63,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     """Train under `cfg` on the started worker `w`; every rank returns the run's summary."""
     t, d = cfg.train, cfg.data
     setup_started = time.monotonic()
-    # Weights are initialised only on a fresh start (`init` below): a resume loads into the shards.
+    # Weights are initialised (model.init: random or pretrained) only on a fresh start (`init` below): a resume
+    # loads into the shards and never reads model.path's weights.
     model = build_sharded(cfg.model, w.mesh, t, w.device)
     hf_config = model.config
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps)
@@ -90,7 +92,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     loop = w.steps(end, state, checkpoint=cfg.checkpoint if cfg.checkpoint.url else None,
                    fingerprint=cfg.fingerprint(), metadata={"hf_config": hf_config.to_dict()},
                    audit_dir=str(Path(t.output_dir) / "samples") if t.audit_samples else None, on_step=after_step,
-                   init=lambda: init_weights(model, cfg.model, t.seed))
+                   init=(lambda: load_pretrained(model, str(cfg.model.path))) if cfg.model.init == "pretrained"
+                   else (lambda: init_weights(model, cfg.model, t.seed)))
     if w.is_main and t.progress and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)

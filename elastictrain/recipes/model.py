@@ -53,7 +53,10 @@ def _from_config(cfg: ModelConfig, hf) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation)
+        # fp32 parameters whatever the config's `dtype` (a bf16 checkpoint's config says bfloat16, which
+        # transformers would build in): they are the optimizer's master weights; train.precision sets the compute.
+        return AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation,
+                                                dtype=torch.float32)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
 
@@ -78,7 +81,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def build_sharded(cfg: ModelConfig, mesh: DeviceMesh, train: TrainConfig, device: torch.device) -> torch.nn.Module:
     """The model sharded over `mesh` with its parameters allocated but not initialised: a resume loads into it,
-    a fresh start calls `init_weights` (the step loop's `init`).
+    a fresh start calls `init_weights` or `pretrained.load_pretrained` (the step loop's `init`).
 
     A restart used to build and initialise the whole model on every rank (2.6 s at 150M parameters here, and a
     full unsharded copy in each rank's memory) only for the load to overwrite it.
