@@ -405,7 +405,11 @@ class ElasticAgent(LocalElasticAgent):
         log.error("[%s] worker group hung: %s; stopping it with SIGKILL", worker_group.spec.role, cause)
         self._last_cause = f"hang: {cause}"
         self._pending_hang = hangs
-        self._emit("hang", cause=cause, workers=[asdict(h) for h in hangs])
+        # Each hung worker's global rank and process state: `status` reads every node's events to say which rank
+        # the hang started at (agent/hang_attribution.py).
+        self._emit("hang", cause=cause, workers=[
+            {**asdict(h), "rank": worker_group.workers[h.local_rank].global_rank, "state": states[h.pid]}
+            for h in hangs])
         failures: dict[int, ProcessFailure] = {}
         for h, text in zip(hangs, causes):
             worker = worker_group.workers[h.local_rank]

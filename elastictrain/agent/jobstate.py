@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from elastictrain.agent.budget import RestartBudget, RestartPolicy
 from elastictrain.agent.control import ControlRequest, pause_key
+from elastictrain.agent.hang_attribution import HangCulprit, attribute
 from elastictrain.agent.status import Event, JobRecord, NodeStatus, read_events, read_job, read_nodes
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class JobView:
     checkpoint_url: Optional[str] = None
     checkpoint_checked: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
+    last_hang: Optional[HangCulprit] = None
+    """The rank the newest hang started at, judged from every node's hang events (read with the events)."""
     time: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,5 +243,7 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
                 view.checkpoint = CheckpointView(step=found[0], age_s=round(time.time() - found[1], 1),
                                                  url=found[2])
     if events:
-        view.events = [event_dict(e) for e in read_events(client, prefix)[-events:]]
+        log = read_events(client, prefix)
+        view.events = [event_dict(e) for e in log[-events:]]
+        view.last_hang = attribute(log)
     return view

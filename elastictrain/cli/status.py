@@ -80,6 +80,9 @@ def render(view: JobView) -> str:
         out.append(f"checkpoint: not checked ({view.checkpoint_url})")
     out += _snapshots(view)
     out += _stragglers(view)
+    if view.last_hang is not None:
+        out.append(f"last hang:  {_clock(view.last_hang.time)} ({_ago(now - view.last_hang.time)} ago) "
+                   f"{view.last_hang.describe()}")
     out.append("")
     rows = [[m.node, m.host, "-" if m.group_rank is None else str(m.group_rank), m.state,
              f"{m.workers} ({','.join(sorted(set(m.phases))) or '-'})", _ago(m.heartbeat_age_s),

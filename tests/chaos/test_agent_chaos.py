@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.agent.budget import RestartBudget
+from elastictrain.agent.hang_attribution import attribute
 from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.agent.status import read_events
 from elastictrain.chaos.process_signals import drain_node, signal_worker
@@ -147,6 +148,8 @@ def test_a_killed_then_a_stopped_worker_restart_the_group_and_it_ends_bitwise_id
     # owns the stopped worker must name it and its state.
     hangs = [e for e in log if e.kind == "hang"]
     assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
+    culprit = attribute(log)  # what `status` says: every node's hang events read together
+    assert culprit is not None and culprit.pid == stopped and culprit.state == "stopped", culprit
 
 
 def test_a_node_sigkilled_then_one_drained_each_rejoin_by_the_same_command(rejoin_job, reference):

@@ -88,3 +88,22 @@ def test_status_shows_each_nodes_newest_snapshot_and_how_far_its_peer_replica_is
     assert "snapshot:   b: step 120 in node RAM, not replicated yet (peer c)" in text
     assert "snapshot:   c: step 118 in node RAM, local only (no peer node)" in text
     assert "snapshot:" not in render(_view()), "no snapshot line when snapshots are off"
+
+
+def test_status_names_the_rank_a_hang_started_at_and_the_stragglers():
+    from elastictrain.agent.hang_attribution import attribute
+    from elastictrain.agent.status import Event
+
+    a, b = node("a", step=41), node("b", step=41)
+    a.stragglers = {"3": {"step": 30, "lateness_s": 0.081, "score": 0.46}}
+    v = derive("demo", [a, b], NOW)
+    v.last_hang = attribute([
+        Event(NOW - 8, "a", "hang", {"workers": [{"rank": 0, "local_rank": 0, "pid": 7, "step": 41,
+                                                  "phase": "train", "silent_s": 5.2, "state": "sleeping"}]}),
+        Event(NOW - 7, "b", "hang", {"workers": [{"rank": 1, "local_rank": 0, "pid": 9, "step": 41,
+                                                  "phase": "train", "silent_s": 5.0, "state": "stopped"}]})])
+    text = render(v)
+    assert "last hang:  " in text and "rank 1 (node b, pid 9) stopped first at step 41 in phase 'train' " \
+                                      "(process state 'stopped')" in text
+    assert "straggler:  rank 3: 0.081s late per step (46% of the step time) since step 30" in text
+    assert json.loads(json.dumps(v.to_dict()))["last_hang"]["rank"] == 1
