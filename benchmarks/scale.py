@@ -24,7 +24,9 @@ trial). Each job, once 8 steps trained on 2 nodes and ours' spares are ready:
    waits for it (`--rejoin-wait`, elastic.rejoin_wait_s: the chaos tests' WAIT_FOR_REJOIN), so the job goes on
    on 2 nodes and can resume from b's snapshots replicated on a; stock re-forms as torch does.
 
-Time lost by a fault: from the fault until the job is one step past where it was (a group launched after the fault
+Each fault fires half a fault-free step after the group completed its step (`--fault-at`: where a fault at a random
+time lands on average; 0 is the worst case for the snapshot copy, which overlaps the next step). Time lost by a
+fault: from the end of that step until the job is one step past where it was (a group launched after the fault
 completes a step beyond the furthest any earlier group completed), minus one fault-free step (the median
 step-to-step time of the 2-node groups before it): detection + restart + load + recomputation. Where that step is
 a survivor's alone (1 rank), `on_two` gives the same until a 2-node group is past where the job was. Steps
@@ -226,19 +228,23 @@ def with_rejoin_wait(cmd: list[str], wait: float) -> list[str]:
     return [*cmd, "--rdzv-conf", value]
 
 
-def fault(job: ScaleJob, kind: str, bound: float, rejoin_after: float) -> dict:
+def fault(job: ScaleJob, kind: str, bound: float, rejoin_after: float, at: float = 0.5) -> dict:
     """SIGKILL node b's worker ("worker"), or node b then start it again `rejoin_after` s later with the same
-    command ("node"), 3 steps past a committed checkpoint; what it cost."""
+    command ("node"), `at` of a fault-free step after the group completed its 3rd step past a committed checkpoint;
+    what it cost. Time lost counts from that step's end: an uninterrupted job would have finished the next step one
+    fault-free step later."""
     b = job.node_b()
     fire = arm_worker_signal(b.pid, signal.SIGKILL) if kind == "worker" else arm_node_kill(b.pid)
     alive: Callable[[], bool] = lambda: any(n.alive() for n in job.nodes)  # noqa: E731
     before, where = at_offset(job.watch, job.ckpt_dir, FAULT_OFFSET, alive, timeout=bound)
     step_s = step_time([c for c in job.watch.snapshot() if c.world == 2])
     t = time.monotonic()
+    time.sleep(at * step_s)
     fire()
+    fired = time.monotonic()
     if kind == "node":
         b.kill()  # reaps it, and whatever started after the look-up
-        time.sleep(max(0.0, t + rejoin_after - time.monotonic()))
+        time.sleep(max(0.0, fired + rejoin_after - time.monotonic()))
         job.start("b")
     out = {**where, "step_s": round(step_s, 3), **wait_past(job, before.seq, step_s, bound, since=t)}
     if out["recovered"]:
@@ -275,7 +281,7 @@ def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Se
         for kind in args.faults:
             _spares_ready(job)
             bound = args.timeout + 20 * (step_time([c for c in job.watch.snapshot() if c.world == 2]) or 0)
-            res = out[f"{kind}_kill"] = fault(job, kind, bound, args.rejoin_after)
+            res = out[f"{kind}_kill"] = fault(job, kind, bound, args.rejoin_after, args.fault_at)
             print(json.dumps({"config": config, "size": size, "fault": kind, **res}), flush=True)  # noqa: T201
             if not res["recovered"]:
                 break
@@ -319,6 +325,9 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help="default %(default)s")
     p.add_argument("--faults", default="worker,node", help="in each job, in this order (default %(default)s)")
     p.add_argument("--rejoin-after", type=float, default=0.0, help="seconds from a node kill to its restart")
+    p.add_argument("--fault-at", type=float, default=0.5,
+                   help="fire this fraction of a step after a step completed (default %(default)s, the expected point "
+                        "of a fault at a random time; 0: right after, the worst case for the overlapped snapshot copy)")
     p.add_argument("--rejoin-wait", type=float, default=60.0,
                    help="ours: seconds a re-forming group waits for a lost node to come back (elastic.rejoin_wait_s, "
                         "as the chaos tests' WAIT_FOR_REJOIN; 0: the survivor goes on alone) (default %(default)s)")
@@ -356,6 +365,7 @@ def main() -> None:
             "settings": {"trials": args.trials, "storage": storages, "configs": configs, "faults": args.faults,
                          "rejoin_after_s": args.rejoin_after, "ours_rejoin_wait_s": args.rejoin_wait,
                          "checkpoint_every_steps": CKPT_EVERY, "fault_offset": FAULT_OFFSET,
+                         "fault_at_step_fraction": args.fault_at,
                          "warmup_steps": WARMUP_STEPS, "data": DATA,
                          "launcher_conf": {"ours": args.ours_conf, "stock": args.stock_conf, "confs": CONFS},
                          "timeout_s": args.timeout}}
