@@ -61,6 +61,14 @@ MONITOR_STALL_S = 2.0
 SILENT_STARTUP_S = 10.0
 """Workers that send no heartbeats count as past their start-up (imports, process group) after this long."""
 
+REFILL_WAIT_MAX_S = 60.0
+"""Spares are refilled once the new group made its first step, or this long after it started, whichever is first:
+a group that never reports one (stuck loading, a script without our API) must not cost the node its spares."""
+
+REFILL_MIN_LEFT_S = 30.0
+"""No spares are refilled when the job ends sooner than this at the group's pace (`total_steps` known) or is ending:
+each costs an import's CPU (about 6 s on a core) that a restart this close to the end would hardly win back."""
+
 MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
@@ -168,7 +176,10 @@ class ElasticAgent(LocalElasticAgent):
         self._hostname = socket.gethostname()
         self._warm: WarmPool | None = None
         self._refill = False
+        self._refill_by = 0.0
         self._spares_announced = True
+        self.total_steps = 0
+        """The job's last step, when known (`elastictrain run` with the recipe sets train.steps); 0: unknown."""
         self._last_tick: float | None = None
         if isinstance(spec.entrypoint, str) and spec.numa_options is None:
             # Also without spares: the pool's process context stops a crashed group's survivors fast.
@@ -256,7 +267,7 @@ class ElasticAgent(LocalElasticAgent):
             # environment construction would drift from torch's.
             with torch_starts_workers_with(self._warm.start_processes):
                 pids = super()._start_workers(worker_group)
-            self._refill = True
+            self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
         if self._warm is not None:
@@ -355,9 +366,8 @@ class ElasticAgent(LocalElasticAgent):
                 log.warning("agent monitor loop was held up %.1fs; hang timers restart now", held_up)
             hangs = self._health.check(now)
             if self._warm is not None:
-                if self._refill and self._group_training():
-                    self._refill = False
-                    self._spares_announced = not self._warm.fill()
+                if self._refill:
+                    self._maybe_refill(now)
                 if not self._spares_announced and self._warm.ready() >= self._warm.size:
                     self._spares_announced = True
                     log.info("%d spare worker(s) ready", self._warm.size)
@@ -393,8 +403,24 @@ class ElasticAgent(LocalElasticAgent):
         self._fatal = cause
         self._emit("fatal", cause=cause)
 
-    def _group_training(self) -> bool:
-        return self._health.started_up(self._clock(), SILENT_STARTUP_S)
+    def _maybe_refill(self, now: float) -> None:
+        """Refill the spares once the new group made its first step (they competed with it for CPU: at 150M on 2
+        cores the first step after a restart took 17.6 s instead of 11 s), unless the job is about to end."""
+        assert self._warm is not None
+        left = self._health.seconds_left(self.total_steps) if self.total_steps else None
+        if self._health.finishing() or (left is not None and left < REFILL_MIN_LEFT_S):
+            self._refill = False
+            log.info("not refilling spare workers: the job ends %s", "now" if left is None else f"in ~{left:.0f}s")
+            return
+        stepped = self._health.started_up(now, SILENT_STARTUP_S)
+        if not (stepped or now >= self._refill_by):
+            return
+        self._refill = False
+        started = self._warm.fill()
+        self._spares_announced = not started
+        if started:
+            log.info("refilling %d spare worker(s) %s", started, "after the group's first step" if stepped
+                     else f"{REFILL_WAIT_MAX_S:g}s after the group started, without a step from it yet")
 
     def _hang_result(self, worker_group: WorkerGroup, hangs: list[Hang]) -> RunResult:
         states = {h.pid: _process_state(h.pid) for h in hangs}

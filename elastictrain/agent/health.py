@@ -94,6 +94,8 @@ class WorkerHealth:
     train_mark: tuple[float, int] | None = None
     first_step: int | None = None
     """The step of its first train beat: where this group resumed (the restart policy judges progress by it)."""
+    first_step_at: float | None = None
+    """When its first train beat was received (agent clock)."""
     sampled: bool = False
     """Its first step time of this group was seen (and left out of the calibration)."""
 
@@ -159,7 +161,7 @@ class HealthMonitor:
         self.beats_seen = True
         if beat.phase == "train":
             if w.first_step is None:
-                w.first_step = beat.step
+                w.first_step, w.first_step_at = beat.step, now
             progressed = w.phase != "train" or w.step is None or beat.step > w.step
             mark = w.train_mark
             if mark is None or beat.step > mark[1]:
@@ -180,16 +182,32 @@ class HealthMonitor:
         return True
 
     def started_up(self, now: float, silent_startup_s: float) -> bool:
-        """Every worker reported a training step: the group's start-up is over.
+        """Every worker reported a step past its first train beat: start-up, load and the group's first step are over.
 
-        Workers that send no heartbeats (a user script without our API) never report one: theirs is taken as over
-        `silent_startup_s` after they started.
+        The first train beat comes once the state is loaded, before the first step, which is still the heaviest
+        (first forward, allocations, the optimizer's state). Workers that send no heartbeats (a user script without
+        our API) never report one: theirs is taken as over `silent_startup_s` after they started.
         """
         if not self.workers:
             return False
         if not (self.config.expect_beats or self.beats_seen):
             return all(now - w.started > silent_startup_s for w in self.workers.values())
-        return all(w.step is not None and w.phase in ("train", "save") for w in self.workers.values())
+        return all(w.first_step is not None and w.step is not None and w.step > w.first_step
+                   for w in self.workers.values())
+
+    def finishing(self) -> bool:
+        """Some worker left its training loop (phase "done"): the group is ending."""
+        return any(w.phase == "done" for w in self.workers.values())
+
+    def seconds_left(self, total_steps: int) -> float | None:
+        """Time to `total_steps` at the pace of this group since its first train beat; None until it made a step."""
+        paces = [((w.last_beat - w.first_step_at) / (w.step - w.first_step), w.step) for w in self.workers.values()
+                 if w.first_step is not None and w.first_step_at is not None and w.last_beat is not None
+                 and w.step is not None and w.step > w.first_step]
+        if not paces:
+            return None
+        pace, step = min(paces, key=lambda p: p[1])
+        return max(0, total_steps - step) * pace
 
     def step_time(self) -> float | None:
         """The calibrating quantile of observed step times, or None until enough steps were seen."""

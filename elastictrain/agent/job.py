@@ -147,6 +147,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
         def on_agent(agent: ElasticAgent) -> None:
             nonlocal publisher
             agent_ref["agent"] = agent
+            agent.total_steps = cfg.train.steps if cfg is not None else 0  # no refill spares at the job's end
             node = getattr(agent.get_worker_group().spec.rdzv_handler, "this_node", None)
             publisher = EtcdStatusPublisher(client, settings.run_prefix, node or f"{os.uname().nodename}_{os.getpid()}",
                                             max_restarts=request.config.max_restarts, budget=budget)

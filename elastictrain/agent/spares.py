@@ -6,8 +6,9 @@ This module imports no torch, so that `elastictrain run` can start its spares be
 A restart spends most of its time starting new worker processes. The pool keeps one idle spare per local rank
 that has already imported the worker's code; torch's ``start_processes`` is served from the pool, so a restart
 costs the rendezvous, process-group set-up and checkpoint load, not the imports. Spares are started when the
-agent starts (they become the first workers, so nothing is imported twice) and refilled once the new group is
-training, so that refilling never competes with a group's start-up for CPU.
+agent starts (they become the first workers, so nothing is imported twice) and refilled once the new group made its
+first step, so that refilling never competes with a group's start-up, load and first step for CPU (not at all when
+the job is about to end; see the agent's `_maybe_refill`).
 
 Each spare is an idle Python process with torch imported: about 350 MB of host memory per local rank on CPU,
 no GPU memory (CUDA is first touched after the assignment).

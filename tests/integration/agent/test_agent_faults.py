@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from elastictrain.runtime.warmstart import MODULE as WARMSTART
+from elastictrain.runtime.warmstart import assigned_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -30,7 +34,7 @@ class AgentRun:
 
     def __init__(self, tmp: Path, steps: int, max_restarts: int = 1, name: str = "node",
                  rdzv: tuple[str, ...] = ("--standalone",), nproc: int = 2, progress: Path | None = None,
-                 hang_floor_s: float | None = HANG_FLOOR_S):
+                 hang_floor_s: float | None = HANG_FLOOR_S, step_s: float = 0.05):
         """`hang_floor_s` None: the agent's default hang settings."""
         self.progress = progress or tmp / "progress"
         self.progress.mkdir(exist_ok=True)
@@ -40,7 +44,7 @@ class AgentRun:
         cmd = [sys.executable, "-m", "elastictrain.agent.launch", *rdzv, "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts),
                *(("--heartbeat-timeout", str(hang_floor_s)) if hang_floor_s is not None else ()), "--event-log", str(self.events_path),
-               str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", "0.05"]
+               str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", str(step_s)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -154,6 +158,67 @@ def test_sigkilled_worker_is_detected_fast_and_group_restarts_and_finishes(agent
     assert any(f["pid"] == victim and f["signal"] == "SIGKILL" for f in failure["failures"])
     assert not [e for e in run.events() if e["kind"] == "hang"]
     assert all(d["restart"] == 1 for d in run.done().values())
+
+
+def _idle_spares(agent_pid: int) -> dict[int, float]:
+    """pid -> creation time (wall clock) of the agent's idle spares: warm-start processes with no rank assigned."""
+    out = {}
+    for p in psutil.Process(agent_pid).children():
+        try:
+            if (WARMSTART in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+                    and assigned_rank(p.pid, p.environ()) is None):
+                out[p.pid] = _started_at(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+            continue
+    return out
+
+
+def _started_at(pid: int) -> float:
+    """When a process started, on the wall clock to a clock tick: its start time in /proc (ticks since boot) moved
+    by the boot clock's offset now (psutil's create_time adds a boot time rounded to the second)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK") + time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _steps_written(progress: Path, restart: int, step: int, seen: dict[int, float]) -> None:
+    """Record in `seen` (rank -> mtime) when each rank wrote its progress of `step` in group `restart`."""
+    for rank in (0, 1):
+        path = progress / f"rank{rank}.json"
+        try:
+            before, data, after = path.stat(), json.loads(path.read_text()), path.stat()
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if before.st_ino == after.st_ino and (data["restart"], data["step"]) == (restart, step):
+            seen.setdefault(rank, after.st_mtime)
+
+
+def test_refill_spares_start_after_the_restarted_groups_first_step_and_serve_the_next_restart(agent_run):
+    """Refilling right after a restart made each spare's imports (~6 s of CPU) compete with the new workers' load and
+    first step (150M, 2 cores: 17.6 s instead of 11 s). This worker's first train beat comes after its first step, so
+    the refill waits for its second; steps of 0.3 s set the two apart."""
+    run = agent_run(steps=12, max_restarts=2, step_s=0.3)
+    victim = run.wait_for_step(3)[0]["pid"]
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)
+    second_step: dict[int, float] = {}
+    refill: dict[int, float] = {}
+    deadline = time.monotonic() + 60
+    while len(refill) < 2 or len(second_step) < 2:
+        assert time.monotonic() < deadline, f"refill spares {refill}, second steps {second_step}\n{run.log()}"
+        _steps_written(run.progress, 1, 2, second_step)
+        refill.update({pid: t for pid, t in _idle_spares(run.proc.pid).items() if t > t_kill})
+        time.sleep(0.01)
+    early = {pid: round(max(second_step.values()) - t, 3) for pid, t in refill.items()
+             if t < max(second_step.values()) - 0.05}
+    assert not early, f"spares started this many seconds before the restarted group's first step: {early}"
+
+    run.wait_for_step(4, restart=1)
+    os.kill(run.progress_of(1)["pid"], signal.SIGKILL)
+    assert run.wait() == 0, run.log()
+    assert all(d["restart"] == 2 for d in run.done().values())
+    started = re.findall(r"workers started \((\d+) from pre-warmed spares so far, (\d+) cold\)",
+                         run.log_path.read_text())
+    assert started[-1] == ("6", "0"), f"every group, the one after the second kill too, came from spares: {started}"
 
 
 def test_workers_die_within_two_seconds_of_their_agent_being_sigkilled(agent_run):

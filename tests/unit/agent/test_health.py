@@ -226,9 +226,28 @@ def test_a_group_that_sends_no_heartbeats_counts_as_started_after_the_silent_all
     assert m.started_up(10.5, silent_startup_s=10.0)
 
 
-def test_a_group_that_beats_counts_as_started_at_its_first_training_step():
-    m = monitor()
+def test_a_group_that_beats_counts_as_started_once_past_its_first_training_step():
+    """Refill spares wait for it: the first step after a (re)start is the heaviest, and a spare's imports competed
+    with it (150M: 17.6 s instead of 11 s). The first train beat comes after the load, before that step."""
+    m = monitor(pids={0: 100, 1: 101})
     assert not m.started_up(100.0, silent_startup_s=10.0), "silence is not start-up for workers that beat"
-    beat(m, 1.0, 0, "load")
-    beat(m, 2.0, 1)
-    assert m.started_up(2.0, silent_startup_s=10.0)
+    for rank in (0, 1):
+        beat(m, 1.0, 8, "load", rank=rank, pid=100 + rank)
+        beat(m, 2.0, 8, rank=rank, pid=100 + rank)
+    assert not m.started_up(2.0, silent_startup_s=10.0), "resumed at step 8, no step made yet"
+    beat(m, 9.0, 9, rank=0, pid=100)
+    assert not m.started_up(9.0, silent_startup_s=10.0), "rank 1 is still in its first step"
+    beat(m, 9.1, 9, "save", rank=1, pid=101)
+    assert m.started_up(9.1, silent_startup_s=10.0)
+
+
+def test_time_left_is_paced_by_the_group_since_its_first_step_and_done_means_finishing():
+    m = monitor()
+    assert m.seconds_left(100) is None
+    beat(m, 1.0, 10)
+    assert m.seconds_left(100) is None, "no step made yet"
+    beat(m, 3.0, 12)
+    assert m.seconds_left(100) == pytest.approx(88.0) and m.seconds_left(5) == 0
+    assert not m.finishing()
+    beat(m, 3.5, 12, "done")
+    assert m.finishing()
