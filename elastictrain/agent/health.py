@@ -9,6 +9,7 @@ Rule: a running worker is hung when it has made no progress for longer than the 
   - train, not yet calibrated, after a restart at the same world size: twice the previous group's calibrated
                                           timeout (its calibration outlives the workers; the first steps of a new
                                           process are slower)
+  - train, 5 to 19 step times so far:      ``provisional_factor`` (3) x the calibrated rule
   - train, not yet calibrated otherwise:  ``warmup_timeout_s`` (first steps may compile, warm caches)
   - init / load / save / paused / done:   their own allowance (never below the floor)
 Progress in ``train`` means a higher step; in the other phases any beat counts, since they do not advance steps.
@@ -42,6 +43,9 @@ class HealthConfig:
     calibration_min_steps: int = 20
     """Step times needed before the calibrated timeout applies: enough that a periodic slow step (an eval, a
     save's staging every 10 steps) is among them."""
+    provisional_min_steps: int = 5
+    """From this many step times until `calibration_min_steps`, the calibrated rule times `provisional_factor`."""
+    provisional_factor: float = 3.0
     longest_step_factor: float = 1.5
     """The timeout stays above this multiple of the longest step seen, however rare (slower than the quantile)."""
     calibration_window: int = 200
@@ -209,9 +213,10 @@ class HealthMonitor:
         pace, step = min(paces, key=lambda p: p[1])
         return max(0, total_steps - step) * pace
 
-    def step_time(self) -> float | None:
-        """The calibrating quantile of observed step times, or None until enough steps were seen."""
-        if len(self._step_times) < self.config.calibration_min_steps:
+    def step_time(self, min_steps: int | None = None) -> float | None:
+        """The calibrating quantile of observed step times, or None until enough steps (`min_steps`, default
+        `calibration_min_steps`) were seen."""
+        if len(self._step_times) < (self.config.calibration_min_steps if min_steps is None else min_steps):
             return None
         ordered = sorted(self._step_times)
         return ordered[max(0, math.ceil(self.config.step_time_quantile * len(ordered)) - 1)]
@@ -228,6 +233,15 @@ class HealthMonitor:
                     t = max(c.hang_floor_s, 2 * self._prior[1])
                     return t, (f"2 x the previous group's calibrated timeout {self._prior[1]:.1f}s, until this group "
                                f"calibrates")
+                early = self.step_time(c.provisional_min_steps)
+                if early is not None:
+                    rule = max(c.step_time_multiplier * early, c.longest_step_factor * self._longest)
+                    t = max(c.hang_floor_s, c.provisional_factor * rule)
+                    q = round(c.step_time_quantile * 100)
+                    return t, (f"provisional timeout {t:.1f}s = {c.provisional_factor:g} x max("
+                               f"{c.step_time_multiplier:g} x p{q} step time {early:.3f}s, "
+                               f"{c.longest_step_factor:g} x longest step {self._longest:.3f}s) over "
+                               f"{len(self._step_times)} steps, until {c.calibration_min_steps} calibrate it")
                 t = max(c.hang_floor_s, c.warmup_timeout_s)
                 return t, f"warm-up allowance {t:g}s, step time not calibrated yet"
             t = max(c.hang_floor_s, c.step_time_multiplier * st, c.longest_step_factor * self._longest)

@@ -43,7 +43,8 @@ class AgentRun:
         self.log_path = tmp / f"agent-{name}.log"
         cmd = [sys.executable, "-m", "elastictrain.agent.launch", *rdzv, "--nproc-per-node", str(nproc),
                "--max-restarts", str(max_restarts),
-               *(("--heartbeat-timeout", str(hang_floor_s)) if hang_floor_s is not None else ()), "--event-log", str(self.events_path),
+               *(("--heartbeat-timeout", str(hang_floor_s)) if hang_floor_s is not None else ()),
+               "--event-log", str(self.events_path),
                str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", str(step_s)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._log = open(self.log_path, "w")

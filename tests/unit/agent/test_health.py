@@ -94,6 +94,15 @@ def test_default_settings_declare_a_stopped_worker_within_5s_and_never_a_job_who
         t += step
 
 
+def test_a_hang_in_the_first_20_steps_is_held_to_3x_the_rule_from_5_steps_on_not_the_warmup_allowance():
+    m = HealthMonitor(HealthConfig())
+    m.reset({0: 100}, now=0.0, world_size=2)
+    last = train(m, 0.0, range(8), step_s=2.0)  # 6 step times (the first is left out)
+    timeout, rule = m.timeout_for("train")
+    assert timeout == pytest.approx(30.0) and "provisional" in rule, rule  # 3 x 5 x 2 s
+    assert m.check(last + 29.9) == [] and m.check(last + 30.1)
+
+
 def test_calibration_outlives_a_restart_at_the_same_world_size_only():
     """A restarted group is held to twice the previous group's timeout until it calibrates, not to the warm-up
     allowance (20 s here); at another world size the step time changes, so the warm-up allowance applies."""
