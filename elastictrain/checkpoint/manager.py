@@ -158,6 +158,8 @@ class CheckpointManager:
         """A fresh start's state, whose staging buffers are readied after the first step (see `_prepare_staging`)."""
         self._failures = 0
         self._last_saved_step: Optional[int] = None
+        self.last_committed: Optional[int] = None
+        """The step of the newest save this manager committed (an async one once `wait` recorded it)."""
         self._last_save_time = time.monotonic()
         self.last_error: Optional[str] = None
         self.storage: Optional[Storage] = open_storage(cfg.url, cfg.storage_options) if cfg.url else None
@@ -353,6 +355,7 @@ class CheckpointManager:
 
     def _record_success(self, step: int, url: str, blocking_s: float, total_s: float, nbytes: int) -> None:
         self._failures = 0
+        self.last_committed = step
         log.info("checkpoint step %d saved to %s (blocked %.3fs, total %.3fs, %.1f MB)", step, url, blocking_s,
                  total_s, nbytes / 1e6)
         self._emit("checkpoint_saved", step=step, url=url, blocking_s=blocking_s, total_s=total_s, bytes=nbytes)

@@ -89,6 +89,9 @@ class StateCheckpointer:
         self.mgr = CheckpointManager(cfg, fingerprint=fingerprint, rank=rank, world_size=world_size,
                                      on_event=self._emit, extra_metadata=metadata)
         self._last_saved: Optional[int] = None
+        """The newest step whose save started (staged, for an async one) and did not fail there."""
+        self._resumed: Optional[int] = None
+        """The durable checkpoint's step this run resumed from."""
         self.snapshots: Optional[SnapshotStore] = None
         self._hook: Optional[RemovableHandle] = None
         root = os.environ.get(ENV_SNAPSHOT_DIR)
@@ -121,7 +124,7 @@ class StateCheckpointer:
         loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank, for_load=True))
         if loaded is None:
             return None
-        self._last_saved = loaded.step
+        self._last_saved = self._resumed = loaded.step
         return Resumed(loaded.url, loaded.step, bool(loaded.missing_keys) or loaded.world_size != self.world_size)
 
     def _restore_snapshot(self) -> Optional[Resumed]:
@@ -266,23 +269,33 @@ class StateCheckpointer:
     def after_step(self, *, final: bool, stopping: bool) -> None:
         step = self.state.step
         if (final or stopping) and self.cfg.save_on_exit:
-            if self._last_saved != step:
+            if not self._holds(step):
                 self._save(blocking=True)
         elif self.mgr.should_save(step):
             self._save(blocking=False)
 
     def save_now(self) -> None:
         """An operator's "checkpoint now": a blocking save at this step (unless this step is already saved)."""
-        if self._last_saved != self.state.step:
+        if not self._holds(self.state.step):
             log.info("saving step %d on operator request", self.state.step)
             self._save(blocking=True)
+
+    def _holds(self, step: int) -> bool:
+        """Whether `step` is saved: resumed from, or committed (its async save in flight is waited for). A save
+        that was skipped (the previous one still uploading) or failed does not count."""
+        if self._last_saved != step:
+            return False
+        if self._resumed != step:
+            self.mgr.wait()
+            return self.mgr.last_committed == step
+        return True
 
     def _save(self, blocking: bool) -> None:
         step = self.state.step
         # The agent allows the save phase more time than a step before it calls a worker hung.
         self.heartbeat.beat(step, "save")
-        self.mgr.save(step, self.state.checkpoint_state(self.rank), blocking=blocking)
-        self._last_saved = step
+        if self.mgr.save(step, self.state.checkpoint_state(self.rank), blocking=blocking):
+            self._last_saved = step
         self.heartbeat.beat(step, "train")
 
     def _snapshot(self, step: int) -> None:
