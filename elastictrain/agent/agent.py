@@ -48,6 +48,7 @@ from elastictrain.runtime.heartbeat import (
     Beat,
     WorkerEvent,
     decode,
+    section_phase,
 )
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def worker_health(self) -> dict[int, WorkerHealth]:
         """A copy of the last heartbeat state per local rank (for status publishing)."""
-        return {lr: replace(w) for lr, w in self._health.workers.items()}
+        return {lr: replace(w, phase=self._health.phase_name(w.phase)) for lr, w in self._health.workers.items()}
 
     def step_time(self) -> float | None:
         """The calibrated step time (p95 by default), None until enough steps were seen."""
@@ -473,6 +474,13 @@ class ElasticAgent(LocalElasticAgent):
     def _emit_worker_events(self, events: list[WorkerEvent]) -> None:
         """Workers' events (checkpoints) into the event log like the agent's own, with the reporting rank."""
         for ev in events:
+            if ev.kind == "section_declared":  # the hang rule's business, not the job's event log
+                f = ev.fields
+                if isinstance(f.get("number"), int) and isinstance(f.get("name"), str):
+                    timeout = f.get("timeout_s")
+                    self._health.declare_section(section_phase(f["number"]), f["name"],
+                                                 float(timeout) if isinstance(timeout, (int, float)) else None)
+                continue
             # The agent's own fields win: a worker's field of the same name (world_size sets the node's in
             # status) must not rewrite what the event says about this node.
             fields = {k: v for k, v in ev.fields.items() if k not in _AGENT_FIELDS}

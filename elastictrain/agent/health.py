@@ -12,6 +12,9 @@ Rule: a running worker is hung when it has made no progress for longer than the 
   - train, 5 to 19 step times so far:      ``provisional_factor`` (3) x the calibrated rule
   - train, not yet calibrated otherwise:  ``warmup_timeout_s`` (first steps may compile, warm caches)
   - init / load / save / paused / done:   their own allowance (never below the floor)
+  - a user section (``Worker.section``):  its declared timeout; else ``step_time_multiplier`` x its longest run
+                                          on this node once it ran ``SECTION_CALIBRATION_RUNS`` times; else the init
+                                          allowance
 Progress in ``train`` means a higher step; in the other phases any beat counts, since they do not advance steps.
 Step times are (time, step) deltas between consecutive train beats, pooled over the node's workers
 (they step in lockstep), leaving out each worker's first step of a group (page faults, first snapshot), and
@@ -27,9 +30,11 @@ from typing import Mapping
 
 from elastictrain.config import HangConfig
 from elastictrain.errors import ConfigError
-from elastictrain.runtime.heartbeat import Beat
+from elastictrain.runtime.heartbeat import SECTION_PREFIX, Beat
 
 _HANG = HangConfig()  # the documented defaults live in elastictrain.config
+SECTION_CALIBRATION_RUNS = 3
+"""Runs of a user section before its own durations set its timeout."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class WorkerHealth:
     """When its first train beat was received (agent clock)."""
     sampled: bool = False
     """Its first step time of this group was seen (and left out of the calibration)."""
+    section_entered: float | None = None
+    """When it entered the user section it is in (agent clock)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,10 @@ class HealthMonitor:
     _world_size: int = 0
     _prior: tuple[int, float] | None = None
     """(world size, calibrated train timeout) of the last group that calibrated."""
+    _sections: dict[str, deque[float]] = field(default_factory=dict)
+    """User section phase -> its durations on this node (kept across groups of the same world size)."""
+    _section_decl: dict[str, tuple[str, float | None]] = field(default_factory=dict)
+    """User section phase -> (name, declared timeout), from the workers' `section_declared` events."""
 
     def __post_init__(self) -> None:
         self._step_times = deque(maxlen=self.config.calibration_window)
@@ -146,6 +157,8 @@ class HealthMonitor:
         if self.step_time() is not None:
             self._prior = (self._world_size, self.timeout_for("train")[0])
         self.workers = {lr: WorkerHealth(local_rank=lr, pid=pid, started=now) for lr, pid in pids.items()}
+        if world_size != self._world_size:
+            self._sections.clear()
         self._step_times.clear()
         self._longest, self._world_size = 0.0, world_size
 
@@ -180,10 +193,43 @@ class HealthMonitor:
             # a new train baseline after any other phase: a save or load is not a step
             progressed = True
             w.train_mark = None
+        if beat.phase != w.phase:
+            self._section_change(w, beat.phase, now)
         w.phase, w.step, w.last_beat = beat.phase, beat.step, now
         if progressed:
             w.last_progress = now
         return True
+
+    def _section_change(self, w: WorkerHealth, phase: str, now: float) -> None:
+        """A worker left or entered a user section: the run just ended is one sample of that section's duration."""
+        if w.phase is not None and w.phase.startswith(SECTION_PREFIX) and w.section_entered is not None:
+            runs = self._sections.setdefault(w.phase, deque(maxlen=self.config.calibration_window))
+            runs.append(now - w.section_entered)
+        w.section_entered = now if phase.startswith(SECTION_PREFIX) else None
+
+    def declare_section(self, phase: str, name: str, timeout_s: float | None) -> None:
+        """A worker named a section (`section_declared`): its name for messages, and its timeout if it set one."""
+        self._section_decl[phase] = (name, timeout_s)
+
+    def phase_name(self, phase: str | None) -> str | None:
+        """A phase as operators read it: `section:eval` rather than the wire's `section:0`."""
+        if phase is not None and phase in self._section_decl:
+            return f"{SECTION_PREFIX}{self._section_decl[phase][0]}"
+        return phase
+
+    def _section_timeout(self, phase: str) -> tuple[float, str]:
+        c = self.config
+        name, declared = self._section_decl.get(phase, (phase, None))
+        if declared is not None:
+            t = max(c.hang_floor_s, declared)
+            return t, f"section '{name}' timeout {t:g}s (declared)"
+        runs = self._sections.get(phase, ())
+        if len(runs) >= SECTION_CALIBRATION_RUNS:
+            t = max(c.hang_floor_s, c.step_time_multiplier * max(runs))
+            return t, (f"section '{name}' timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
+                       f"{c.step_time_multiplier:g} x its longest of {len(runs)} runs {max(runs):.3f}s)")
+        t = max(c.hang_floor_s, c.init_timeout_s)
+        return t, f"section '{name}' allowance {t:g}s ({len(runs)} runs seen, {SECTION_CALIBRATION_RUNS} calibrate it)"
 
     def started_up(self, now: float, silent_startup_s: float) -> bool:
         """Every worker reported a step past its first train beat: start-up, load and the group's first step are over.
@@ -248,6 +294,8 @@ class HealthMonitor:
             return t, (f"timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
                        f"{c.step_time_multiplier:g} x p{round(c.step_time_quantile * 100)} step time {st:.3f}s, "
                        f"{c.longest_step_factor:g} x longest step {self._longest:.3f}s)")
+        if phase.startswith(SECTION_PREFIX):
+            return self._section_timeout(phase)
         allowance = {"init": c.init_timeout_s, "load": c.load_timeout_s, "save": c.save_timeout_s,
                      "paused": c.paused_timeout_s, "done": c.done_timeout_s}[phase]
         t = max(c.hang_floor_s, allowance)

@@ -47,6 +47,34 @@ DEFAULT_MIN_INTERVAL_S = 0.05
 # "done": the training loop is over (final save, summary, process-group teardown): no more steps to judge by.
 PHASES: tuple[str, ...] = ("init", "load", "train", "save", "paused", "done")
 _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+SECTION_PREFIX = "section:"
+"""A user section's phase is ``section:<n>`` (`Worker.section`: n numbers the worker's section names in order)."""
+_SECTION_BASE = 32
+MAX_SECTIONS = 200
+"""Distinct section names one worker may use (their numbers fit the wire's phase byte)."""
+
+
+def section_phase(number: int) -> str:
+    return f"{SECTION_PREFIX}{number}"
+
+
+def _phase_code(phase: str) -> int:
+    """The wire code of a phase; ValueError for anything else."""
+    if phase in _PHASE_CODE:
+        return _PHASE_CODE[phase]
+    if phase.startswith(SECTION_PREFIX) and phase[len(SECTION_PREFIX):].isdigit():
+        number = int(phase[len(SECTION_PREFIX):])
+        if number < MAX_SECTIONS:
+            return _SECTION_BASE + number
+    raise ValueError(f"heartbeat phase {phase!r} is not one of {', '.join(PHASES)} or section:<0..{MAX_SECTIONS - 1}>")
+
+
+def _phase_of(code: int) -> str:
+    if code < len(PHASES):
+        return PHASES[code]
+    if _SECTION_BASE <= code < _SECTION_BASE + MAX_SECTIONS:
+        return section_phase(code - _SECTION_BASE)
+    raise ValueError(f"heartbeat phase code {code} is unknown")
 
 _WIRE_VERSION = 1
 # version, phase, local_rank, pid, step, worker monotonic time
@@ -55,7 +83,7 @@ _WIRE = struct.Struct("<BBHiqd")
 MAX_EVENT_BYTES = 8192
 """Largest JSON payload of a worker event; longer text fields are cut to fit (a failure's cause can be long)."""
 
-WORKER_EVENT_PREFIXES: tuple[str, ...] = ("checkpoint_", "straggler")
+WORKER_EVENT_PREFIXES: tuple[str, ...] = ("checkpoint_", "straggler", "section_")
 """Kinds a worker may report. The agent's own kinds (join, failure, ...) change a node's state; these never do."""
 
 _EVENT_MAGIC = ord("E")  # first byte of an event datagram; beats start with their wire version (1)
@@ -81,7 +109,7 @@ class Beat:
     """The worker's ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so the agent can compare it."""
 
     def pack(self) -> bytes:
-        return _WIRE.pack(_WIRE_VERSION, _PHASE_CODE[self.phase], self.local_rank, self.pid, self.step, self.time)
+        return _WIRE.pack(_WIRE_VERSION, _phase_code(self.phase), self.local_rank, self.pid, self.step, self.time)
 
     @classmethod
     def unpack(cls, data: bytes) -> Beat:
@@ -89,9 +117,9 @@ class Beat:
         if len(data) != _WIRE.size:
             raise ValueError(f"heartbeat datagram has {len(data)} bytes, expected {_WIRE.size}")
         version, phase, local_rank, pid, step, t = _WIRE.unpack(data)
-        if version != _WIRE_VERSION or phase >= len(PHASES):
-            raise ValueError(f"heartbeat datagram of unknown version {version} or phase code {phase}")
-        return cls(local_rank=local_rank, pid=pid, step=step, phase=PHASES[phase], time=t)
+        if version != _WIRE_VERSION:
+            raise ValueError(f"heartbeat datagram of unknown version {version}")
+        return cls(local_rank=local_rank, pid=pid, step=step, phase=_phase_of(phase), time=t)
 
 
 @dataclass(frozen=True)
@@ -192,17 +220,22 @@ class Heartbeat:
     def enabled(self) -> bool:
         return self._sock is not None
 
+    @property
+    def phase(self) -> str:
+        """The phase of the last beat sent ("train" before any)."""
+        return self._last_phase or "train"
+
     def beat(self, step: int, phase: str = "train") -> None:
-        """Report progress: ``step`` is the global step, ``phase`` one of init/load/train/save/paused/done."""
+        """Report progress: ``step`` is the global step, ``phase`` one of init/load/train/save/paused/done or a
+        user section's ``section:<n>``."""
         if self._sock is None:
             return
-        if phase not in _PHASE_CODE:
-            raise ValueError(f"heartbeat phase {phase!r} is not one of {', '.join(PHASES)}")
+        code = _phase_code(phase)
         now = time.monotonic()
         if phase == self._last_phase and now - self._last_sent < self._min_interval:
             return
         # The pid per send, not per emitter: a forked child must not pass for its parent.
-        data = _WIRE.pack(_WIRE_VERSION, _PHASE_CODE[phase], self._local_rank, os.getpid(), step, now)
+        data = _WIRE.pack(_WIRE_VERSION, code, self._local_rank, os.getpid(), step, now)
         try:
             self._sock.sendto(data, self._addr)
         except OSError as e:

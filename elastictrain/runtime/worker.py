@@ -21,7 +21,8 @@ import datetime
 import gc
 import logging
 import signal
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from elastictrain.logs import setup_logging
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import configure_determinism, seed_everything
 from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
-from elastictrain.runtime.heartbeat import Heartbeat
+from elastictrain.runtime.heartbeat import MAX_SECTIONS, Heartbeat, section_phase
 from elastictrain.runtime.session import RankInfo, Session
 from elastictrain.runtime.steps import StepHook, StepLoop
 from elastictrain.runtime.train_state import TrainState
@@ -78,6 +79,7 @@ class Worker:
         self.control = WorkerControl(None)
         self.stop_flag = StopFlag()
         self.loop: Optional[StepLoop] = None
+        self._sections: dict[str, int] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -213,6 +215,33 @@ class Worker:
         self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
                              audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init)
         return self.loop
+
+    @contextmanager
+    def section(self, name: str, timeout_s: Optional[float] = None) -> Iterator[None]:
+        """Mark a part of your loop that is not a training step (an eval, a long data reload, a call to an outside
+        service): the agent's hang rule holds it to its own timeout, not the step's.
+
+        `timeout_s`: that timeout. None: calibrated from this section's earlier runs on the node (5 x the longest,
+        at least the hang floor), and the agent's init allowance (600 s) until it has run 3 times. Heartbeats
+        inside count as progress, so a long section may also call `w.section` around its own sub-parts.
+        """
+        if not name or (timeout_s is not None and not timeout_s > 0):
+            raise ConfigError(f"Worker.section({name!r}, timeout_s={timeout_s}): give a name and a positive "
+                              f"timeout_s (or None to calibrate it)")
+        number = self._sections.get(name)
+        if number is None:
+            if len(self._sections) >= MAX_SECTIONS:
+                raise ConfigError(f"Worker.section: more than {MAX_SECTIONS} section names; reuse names")
+            number = self._sections[name] = len(self._sections)
+            # The agent learns the name and timeout once (the beats carry only the number).
+            self.heartbeat.event("section_declared", number=number, name=name, timeout_s=timeout_s)
+        step = self.loop.state.step if self.loop is not None else 0
+        outer = self.heartbeat.phase  # back to it after: "train", or an enclosing section
+        self.heartbeat.beat(step, section_phase(number))
+        try:
+            yield
+        finally:
+            self.heartbeat.beat(step, outer)
 
     def report(self, **values: Any) -> None:
         """Add values (floats or 0-d tensors, e.g. `loss * mb.fraction`) to this step's reduction.

@@ -34,8 +34,9 @@ class AgentRun:
 
     def __init__(self, tmp: Path, steps: int, max_restarts: int = 1, name: str = "node",
                  rdzv: tuple[str, ...] = ("--standalone",), nproc: int = 2, progress: Path | None = None,
-                 hang_floor_s: float | None = HANG_FLOOR_S, step_s: float = 0.05):
-        """`hang_floor_s` None: the agent's default hang settings."""
+                 hang_floor_s: float | None = HANG_FLOOR_S, step_s: float = 0.05, script: Path | None = None,
+                 script_args: tuple[str, ...] = ()):
+        """`hang_floor_s` None: the agent's default hang settings; `script`: instead of worker.py."""
         self.progress = progress or tmp / "progress"
         self.progress.mkdir(exist_ok=True)
         self.ranks = (0, 1)
@@ -45,7 +46,8 @@ class AgentRun:
                "--max-restarts", str(max_restarts),
                *(("--heartbeat-timeout", str(hang_floor_s)) if hang_floor_s is not None else ()),
                "--event-log", str(self.events_path),
-               str(WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s", str(step_s)]
+               str(script or WORKER), "--progress-dir", str(self.progress), "--steps", str(steps), "--step-s",
+               str(step_s), *script_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -289,3 +291,28 @@ def test_sigterm_to_agent_stops_even_a_sigstopped_worker_promptly(agent_run):
     # ~2-3 s on a quiet machine and 5 s was seen on a loaded 2-core CI box. 15 s still tells the two apart.
     assert elapsed < 15.0
     assert run.first("leave")["outcome"] == "signal SIGTERM"
+
+
+SECTION_WORKER = Path(__file__).with_name("section_worker.py")
+
+
+def test_an_eval_section_longer_than_the_step_timeout_is_no_hang_and_a_stop_in_it_is_caught_by_its_own(agent_run):
+    """A user's loop (public API) runs a 3 s `w.section("eval")` every 10 steps of 0.05 s with a 2 s hang floor:
+    never declared hung. Then, in a section declared with timeout_s=4, a SIGSTOPped worker is declared hung by that
+    timeout, the rule naming the section."""
+    run = agent_run(steps=25, script=SECTION_WORKER, script_args=("--eval-s", "3"))
+    assert run.wait() == 0, run.log()
+    assert not [e for e in run.events() if e["kind"] == "hang"], run.events()
+
+    second = agent_run(steps=40, name="stop", progress=run.progress.parent / "progress-stop", max_restarts=0,
+                       script=SECTION_WORKER, script_args=("--eval-s", "30", "--eval-timeout", "4"))
+    deadline = time.monotonic() + 60
+    while not ((p := second.progress_of(1)) and p["in_section"]):
+        assert time.monotonic() < deadline and second.proc.poll() is None, second.log()
+        time.sleep(0.05)
+    t_fault = time.time()
+    os.kill(p["pid"], signal.SIGSTOP)
+    second.wait()
+    hang = second.first("hang")
+    assert 3.5 < hang["time"] - t_fault < 12, "the section's own 4 s timeout, not the init allowance"
+    assert "section 'eval' timeout 4s (declared)" in hang["cause"] and "section:0" in hang["cause"]

@@ -260,3 +260,24 @@ def test_time_left_is_paced_by_the_group_since_its_first_step_and_done_means_fin
     assert not m.finishing()
     beat(m, 3.5, 12, "done")
     assert m.finishing()
+
+
+def test_a_user_section_is_held_to_its_declared_timeout_else_calibrated_from_its_runs():
+    m = monitor()
+    train(m, 0.0, range(20), step_s=0.1)  # calibrated: the train timeout is the 2 s floor
+    beat(m, 10.0, 20, "section:0")
+    assert m.timeout_for("section:0")[0] == pytest.approx(30.0), "before 3 runs: the init allowance"
+    assert m.check(10.0 + 29.0) == [], "a 29 s section is not a hang (the step timeout is 2 s)"
+    t = 16.0  # that run: 6 s; then two more 6 s runs, a step between
+    for _ in range(2):
+        beat(m, t, 20, "train")
+        beat(m, t + 0.1, 21)
+        beat(m, t + 0.2, 21, "section:0")
+        t += 6.2
+    beat(m, t, 21, "train")
+    timeout, rule = m.timeout_for("section:0")
+    assert timeout == pytest.approx(30.0, abs=0.6) and "longest of 3 runs" in rule  # 5 x 6 s
+    assert m.step_time() == pytest.approx(0.1), "section time is not step time"
+    m.declare_section("section:0", "eval", 9.0)
+    assert m.timeout_for("section:0") == (9.0, "section 'eval' timeout 9s (declared)")
+    assert m.phase_name("section:0") == "section:eval" and m.phase_name("train") == "train"

@@ -252,3 +252,13 @@ def test_worker_dies_when_its_parent_is_sigkilled(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_user_section_phase_crosses_the_wire_and_a_bad_phase_is_refused():
+    from elastictrain.runtime.heartbeat import MAX_SECTIONS, Beat, section_phase
+
+    b = Beat(local_rank=1, pid=7, step=3, phase=section_phase(5), time=1.5)
+    assert Beat.unpack(b.pack()) == b
+    for bad in ("section:x", section_phase(MAX_SECTIONS), "eval"):
+        with pytest.raises(ValueError):
+            Beat(local_rank=0, pid=1, step=0, phase=bad, time=0.0).pack()
