@@ -180,6 +180,9 @@ class ElasticAgent(LocalElasticAgent):
         self._refill_by = 0.0
         self._spares_announced = True
         self.total_steps = 0
+        self.peer_step_times: dict[int, float] = {}
+        """World size -> a calibrated step time other nodes of this run published (set before `run`): the hang
+        rule's prior for this agent's first group of that size."""
         """The job's last step, when known (`elastictrain run` with the recipe sets train.steps); 0: unknown."""
         self._last_tick: float | None = None
         if isinstance(spec.entrypoint, str) and spec.numa_options is None:
@@ -271,6 +274,8 @@ class ElasticAgent(LocalElasticAgent):
             self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
+        if world in self.peer_step_times:
+            self._health.adopt_calibration(world, self.peer_step_times[world])
         if self._warm is not None:
             log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
                      self._warm.cold)

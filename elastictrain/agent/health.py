@@ -207,6 +207,14 @@ class HealthMonitor:
             runs.append(now - w.section_entered)
         w.section_entered = now if phase.startswith(SECTION_PREFIX) else None
 
+    def adopt_calibration(self, world_size: int, step_time_s: float) -> None:
+        """Another node's calibrated step time for groups of `world_size` ranks (read from etcd when this agent
+        started): the prior of this agent's first group, so a re-started node is not held to the warm-up allowance.
+        This agent's own calibration, once it has one, wins."""
+        if self._prior is None and world_size > 0 and step_time_s > 0:
+            c = self.config
+            self._prior = (world_size, max(c.hang_floor_s, c.step_time_multiplier * step_time_s))
+
     def declare_section(self, phase: str, name: str, timeout_s: float | None) -> None:
         """A worker named a section (`section_declared`): its name for messages, and its timeout if it set one."""
         self._section_decl[phase] = (name, timeout_s)

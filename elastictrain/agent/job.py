@@ -35,7 +35,14 @@ from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
 from elastictrain.agent.replication import Replicator
 from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
-from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events
+from elastictrain.agent.status import (
+    EtcdStatusPublisher,
+    JobRecord,
+    peer_step_times,
+    publish_job,
+    read_events,
+    read_nodes,
+)
 from elastictrain.config import ElasticConfig, JobConfig, load_config, load_elastic
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
@@ -152,6 +159,10 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             publisher = EtcdStatusPublisher(client, settings.run_prefix, node or f"{os.uname().nodename}_{os.getpid()}",
                                             max_restarts=request.config.max_restarts, budget=budget)
             agent.add_listener(publisher)
+            try:  # the run's calibration, from the nodes that published one (a re-started node's hang prior)
+                agent.peer_step_times = peer_step_times(read_nodes(client, settings.run_prefix), publisher.node)
+            except Exception as e:  # noqa: BLE001 - etcd down: start uncalibrated, as a first node does
+                log.debug("could not read the other nodes' status for a hang prior: %s", e)
             publisher.attach(agent)
             stack.callback(publisher.close)
             relay.attach(agent)

@@ -254,6 +254,16 @@ def read_nodes(client: EtcdClient, run_prefix: str) -> list[NodeStatus]:
     return sorted((NodeStatus.from_json(v) for v in raw.values()), key=lambda s: s.node)
 
 
+def peer_step_times(nodes: list[NodeStatus], this_node: str) -> dict[int, float]:
+    """World size -> the median calibrated step time the other nodes published for it (a re-started agent's prior:
+    the calibration outlives the agent process)."""
+    seen: dict[int, list[float]] = {}
+    for n in nodes:
+        if n.node != this_node and n.world_size and n.step_time_s:
+            seen.setdefault(n.world_size, []).append(n.step_time_s)
+    return {w: sorted(v)[len(v) // 2] for w, v in seen.items()}
+
+
 def read_events(client: EtcdClient, run_prefix: str, since: float = 0.0) -> list[Event]:
     raw = client.get_prefix(f"{run_prefix.rstrip('/')}/events/")
     out = [Event(**json.loads(v)) for _, v in sorted(raw.items())]

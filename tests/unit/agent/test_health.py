@@ -281,3 +281,23 @@ def test_a_user_section_is_held_to_its_declared_timeout_else_calibrated_from_its
     m.declare_section("section:0", "eval", 9.0)
     assert m.timeout_for("section:0") == (9.0, "section 'eval' timeout 9s (declared)")
     assert m.phase_name("section:0") == "section:eval" and m.phase_name("train") == "train"
+
+
+def test_a_restarted_agent_takes_the_other_nodes_calibration_as_its_prior_for_the_same_world_size():
+    """The calibration outlives the agent process: a re-started node's first group is held to 2 x the timeout the
+    other nodes' published step time gives, not to the warm-up allowance; its own calibration wins later."""
+    from elastictrain.agent.status import NodeStatus, peer_step_times
+
+    nodes = [NodeStatus(node=n, host="h", agent_pid=1, state="running", world_size=w, step_time_s=st)
+             for n, w, st in (("a", 4, 1.0), ("b", 4, 1.2), ("c", 2, 2.5), ("me", 4, 9.0), ("d", None, 1.0))]
+    priors = peer_step_times(nodes, this_node="me")
+    assert priors == {4: 1.2, 2: 2.5}, "the median of the others', per world size; this node's own is stale"
+    m = HealthMonitor(CFG)
+    m.reset({0: 100}, now=0.0, world_size=4)
+    m.adopt_calibration(4, priors[4])
+    beat(m, 1.0, 0)
+    timeout, rule = m.timeout_for("train")
+    assert timeout == pytest.approx(12.0) and "previous group" in rule  # 2 x max(2 s, 5 x 1.2 s)
+    m.reset({0: 101}, now=0.0, world_size=2)
+    beat(m, 1.0, 0, pid=101)
+    assert m.timeout_for("train")[0] == pytest.approx(20.0), "another world size: the warm-up allowance"
