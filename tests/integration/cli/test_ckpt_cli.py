@@ -27,7 +27,9 @@ from tests.integration.recipe_runs import REPO, run_recipe
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=10"]
+# Blocking saves: an async save due while the previous upload is still in flight is skipped (a slow S3 under load
+# took longer than 2 steps here), and these tests need every step's checkpoint.
+STEPS = ["train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=10", "checkpoint.async_save=false"]
 
 
 @dataclass
