@@ -9,7 +9,7 @@ Rule: a running worker is hung when it has made no progress for longer than the 
   - train, not yet calibrated, after a restart at the same world size: twice the previous group's calibrated
                                           timeout (its calibration outlives the workers; the first steps of a new
                                           process are slower)
-  - train, 5 to 19 step times so far:      ``provisional_factor`` (3) x the calibrated rule
+  - train, 5 to 19 step times so far:      ``max(floor, 3 x 5 x their median, 1.5 x the longest)``
   - train, not yet calibrated otherwise:  ``warmup_timeout_s`` (first steps may compile, warm caches)
   - init / load / save / paused / done:   their own allowance (never below the floor)
   - a user section (``Worker.section``):  its declared timeout; else ``step_time_multiplier`` x its longest run
@@ -24,6 +24,7 @@ re-calibrated with every new worker group (the world size, hence step time, may 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -49,7 +50,8 @@ class HealthConfig:
     """Step times needed before the calibrated timeout applies: enough that a periodic slow step (an eval, a
     save's staging every 10 steps) is among them."""
     provisional_min_steps: int = 5
-    """From this many step times until `calibration_min_steps`, the calibrated rule times `provisional_factor`."""
+    """From this many step times until `calibration_min_steps`: `provisional_factor` x the multiplier x their median
+    (and 1.5 x the longest)."""
     provisional_factor: float = 3.0
     longest_step_factor: float = 1.5
     """The timeout stays above this multiple of the longest step seen, however rare (slower than the quantile)."""
@@ -287,14 +289,15 @@ class HealthMonitor:
                     t = max(c.hang_floor_s, 2 * self._prior[1])
                     return t, (f"2 x the previous group's calibrated timeout {self._prior[1]:.1f}s, until this group "
                                f"calibrates")
-                early = self.step_time(c.provisional_min_steps)
-                if early is not None:
-                    rule = max(c.step_time_multiplier * early, c.longest_step_factor * self._longest)
-                    t = max(c.hang_floor_s, c.provisional_factor * rule)
-                    q = round(c.step_time_quantile * 100)
-                    return t, (f"provisional timeout {t:.1f}s = {c.provisional_factor:g} x max("
-                               f"{c.step_time_multiplier:g} x p{q} step time {early:.3f}s, "
-                               f"{c.longest_step_factor:g} x longest step {self._longest:.3f}s) over "
+                if len(self._step_times) >= c.provisional_min_steps:
+                    # Few samples: their median (the max would be the slowest early step, and 15 x that let a
+                    # worker stopped at step 8 go unnoticed for 20 s), with the longest still kept above.
+                    typical = statistics.median(self._step_times)
+                    t = max(c.hang_floor_s, c.provisional_factor * c.step_time_multiplier * typical,
+                            c.longest_step_factor * self._longest)
+                    return t, (f"provisional timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
+                               f"{c.provisional_factor:g} x {c.step_time_multiplier:g} x median step time "
+                               f"{typical:.3f}s, {c.longest_step_factor:g} x longest step {self._longest:.3f}s) over "
                                f"{len(self._step_times)} steps, until {c.calibration_min_steps} calibrate it")
                 t = max(c.hang_floor_s, c.warmup_timeout_s)
                 return t, f"warm-up allowance {t:g}s, step time not calibrated yet"

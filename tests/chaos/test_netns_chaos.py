@@ -42,6 +42,7 @@ from elastictrain.checkpoint.discovery import list_checkpoints, verify_files
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.runtime.audit import committed_timeline
+from elastictrain.runtime.injected_faults import ENV_CHAOS
 from tests.chaos.cluster import Job, expected_samples
 from tests.chaos.netns import Fabric, NetnsS3Server, netns_unavailable
 from tests.chaos.netns_target import NetnsTarget
@@ -62,20 +63,24 @@ BUCKET = "chaos"
 # Each of the 9 kinds once; the corrupted checkpoint is followed at once by the worker kill, so the restart must skip
 # it. Faults fire once the job has newly completed a step, 8 steps (two checkpoints) apart: progress between faults,
 # whatever the machine's speed. The stopped worker stays stopped for 20 s, far past the hang timeout (max(3 s,
-# 5 x p95 step time)): an agent must act; the stop holds nothing back (the next fault waits for its step, and the
-# agent kills the stopped worker long before the heal's SIGCONT).
+# 5 x p99 step time)): an agent must act; the stop holds nothing back (the next fault waits for its step, and the
+# agent kills the stopped worker long before the heal's SIGCONT). Training goes on through a storage outage (a
+# save due while the previous upload hangs is skipped), and the runner waits while it heals one (restarting the S3
+# server took up to 15 s here), so the outage comes last: earlier, the job finished during it and the later faults
+# never fired. Steps of at least STEP_FLOOR_MS keep such blind stretches to tens of steps.
 SCHEDULE = """
 stop-worker@step=8/20s
 restart-etcd@step=16/3s
-storage-down@step=24/8s
-corrupt-checkpoint@step=32
+corrupt-checkpoint@step=24
 kill-worker
-partition@step=40/10s
-kill-node@step=48/3s
-storage-stall@step=56/5s
-drain-node@step=64/3s
+partition@step=32/10s
+kill-node@step=40/3s
+storage-stall@step=48/5s
+drain-node@step=56/3s
+storage-down@step=64/8s
 """
 JOB_OVERRIDES = ("logging.json=true",)  # worker logs the test parses
+STEP_FLOOR_MS = 250
 MUST_FIRE = {"partition", "kill-node", "kill-worker", "stop-worker", "restart-etcd", "storage-down",
              "storage-stall", "drain-node", "corrupt-checkpoint"}
 
@@ -128,7 +133,7 @@ def make_job(world: World, tmp: Path, name: str) -> tuple[Job, NetnsTarget]:
               ckpt_url=f"s3://{BUCKET}/{prefix}", ckpt_view=str(world.s3.bucket_dir(BUCKET) / prefix),
               extra_overrides=JOB_OVERRIDES)
     # Explicit endpoint and credentials (the namespace's S3 server), no instance metadata lookups.
-    env = {**world.s3.env(), "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {**world.s3.env(), "GLOO_SOCKET_IFNAME": "eth0", ENV_CHAOS: f"slow@ms={STEP_FLOOR_MS}"}
     return job, NetnsTarget(world.fabric, job, world.etcd, world.s3, env, STEPS)
 
 
