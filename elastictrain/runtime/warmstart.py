@@ -148,10 +148,19 @@ def _become(assignment: dict[str, Any]) -> None:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
+def _path_as_python_sets_it(target: Target) -> None:
+    """sys.path[0] as `python script.py` sets it: the script's directory (symlinks resolved), so that a script's
+    sibling modules (`from model import Net`) import in a warm spare as they do cold. Under `-m` it stays the
+    working directory, as `python -m` has it."""
+    if target.module is None and target.script:
+        sys.path[0] = os.path.dirname(os.path.realpath(target.script))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parent = os.getppid()
     die_with_parent(parent)
     target = parse_command(sys.argv[1:] if argv is None else argv)
+    _path_as_python_sets_it(target)
     _prewarm(target, [m for m in os.environ.get(ENV_PREWARM, "").split(",") if m])
     warm_dir = os.environ.get(ENV_WARM_DIR)
     if warm_dir:
@@ -161,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     assignment = json.loads(line)
     work = parse_command(assignment["args"])
+    _path_as_python_sets_it(work)
     _become(assignment)
     if work.module is not None:
         sys.argv = [work.module, *work.argv]

@@ -4,21 +4,14 @@ Writes ``<progress-dir>/rank<R>.json`` ({pid, step, restart, in_section}) as wor
 """
 
 import argparse
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from worker import write_json  # this script's directory is on sys.path
 
 import elastictrain as et
-
-
-def _write(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -37,13 +30,13 @@ def main() -> None:
             t = torch.ones(1)
             dist.all_reduce(t)
             time.sleep(a.step_s)
-            _write(progress, {"pid": os.getpid(), "step": step, "restart": restart, "in_section": False})
+            write_json(progress, {"pid": os.getpid(), "step": step, "restart": restart, "in_section": False})
             if step % a.eval_every == a.eval_every - 1:
                 with w.section("eval", timeout_s=a.eval_timeout):
-                    _write(progress, {"pid": os.getpid(), "step": step, "restart": restart, "in_section": True})
+                    write_json(progress, {"pid": os.getpid(), "step": step, "restart": restart, "in_section": True})
                     time.sleep(a.eval_s)
                     dist.barrier()
-        _write(os.path.join(a.progress_dir, f"rank{w.rank}.done"), {"pid": os.getpid(), "restart": restart})
+        write_json(os.path.join(a.progress_dir, f"rank{w.rank}.done"), {"pid": os.getpid(), "restart": restart})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from elastictrain.runtime.heartbeat import Heartbeat
 
 
-def _write(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
+    """Atomically (the tests poll these files)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f)
@@ -39,11 +40,11 @@ def main() -> None:
         dist.all_reduce(t)
         time.sleep(a.step_s)
         hb.beat(step, "train")
-        _write(progress, {"pid": os.getpid(), "step": step, "restart": restart})
+        write_json(progress, {"pid": os.getpid(), "step": step, "restart": restart})
     hb.beat(a.steps, "done")
     dist.barrier()
     dist.destroy_process_group()
-    _write(os.path.join(a.progress_dir, f"rank{rank}.done"), {"pid": os.getpid(), "restart": restart})
+    write_json(os.path.join(a.progress_dir, f"rank{rank}.done"), {"pid": os.getpid(), "restart": restart})
 
 
 if __name__ == "__main__":
