@@ -125,9 +125,10 @@ def test_a_killed_worker_restarts_the_script_and_the_restart_is_charged_in_etcd(
                           str(script), "--steps", "4", "--out", str(tmp_path / "out"), "--die", "kill"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-6000:]
     assert (tmp_path / "out" / "died").exists()
-    assert [(r["rank"], r["world_size"], r["restart"]) for r in _results(tmp_path)] == [(0, 2, 1), (1, 2, 1)]
     used, events = restarts_and_events(etcd.endpoint, run_id)
-    assert used == 1, [(e.kind, e.fields.get("cause")) for e in events]
+    why = [(e.kind, e.fields.get("cause")) for e in events], out.stderr[-4000:]  # seen once in CI: 2 restarts
+    assert [(r["rank"], r["world_size"], r["restart"]) for r in _results(tmp_path)] == [(0, 2, 1), (1, 2, 1)], why
+    assert used == 1, why
     failure = next(e for e in events if e.kind == "failure")
     assert "SIGKILL" in json.dumps(failure.fields), failure.fields
 
