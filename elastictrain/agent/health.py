@@ -269,10 +269,9 @@ class HealthMonitor:
         pace, step = min(paces, key=lambda p: p[1])
         return max(0, total_steps - step) * pace
 
-    def step_time(self, min_steps: int | None = None) -> float | None:
-        """The calibrating quantile of observed step times, or None until enough steps (`min_steps`, default
-        `calibration_min_steps`) were seen."""
-        if len(self._step_times) < (self.config.calibration_min_steps if min_steps is None else min_steps):
+    def step_time(self) -> float | None:
+        """The calibrating quantile of observed step times, or None until enough steps were seen."""
+        if len(self._step_times) < self.config.calibration_min_steps:
             return None
         ordered = sorted(self._step_times)
         return ordered[max(0, math.ceil(self.config.step_time_quantile * len(ordered)) - 1)]

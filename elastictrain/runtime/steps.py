@@ -264,9 +264,10 @@ class StepLoop:
         out = vec.tolist()
         if self._stragglers is not None:
             released, self._released, self._first_forward = self._released, time.monotonic(), 0.0
-            n = w.world_size
-            self._report_stragglers(self._stragglers.observe(self.state.step, out[timed:timed + n],
-                                                             out[timed + n:timed + 2 * n], self._released - released))
+            if w.is_main:  # every rank sends its timings; only rank 0 judges and reports them
+                n = w.world_size
+                self._report_stragglers(self._stragglers.observe(
+                    self.state.step, out[timed:timed + n], out[timed + n:timed + 2 * n], self._released - released))
         self._pending = {}
         if out[3] != flags[3] * w.world_size:
             raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
@@ -279,9 +280,7 @@ class StepLoop:
             self._first_forward = time.monotonic()
 
     def _report_stragglers(self, changes: list[Change]) -> None:
-        """Rank 0 logs and reports each change (an event, which `status` and the metrics endpoint show)."""
-        if not self.worker.is_main:
-            return
+        """Log and report each change (rank 0: an event, which `status` and the metrics endpoint show)."""
         for c in changes:
             # `rank` on an event is the reporting rank's (the agent sets it): the slow one is `slow_rank`.
             fields = {"slow_rank": c.rank, "step": c.step, "lateness_s": round(c.lateness_s, 4),

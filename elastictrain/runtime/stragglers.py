@@ -19,6 +19,7 @@ below half that margin for as long. Pure logic: `StepLoop` feeds it and reports 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 MAX_WORLD = 1024
@@ -55,12 +56,15 @@ class StragglerWatch:
     slow: dict[int, Change] = field(default_factory=dict)
     """The ranks named slow now, with the change that named them."""
     _runs: dict[int, list[float]] = field(default_factory=dict)
-    _step_times: list[float] = field(default_factory=list)
+    _step_times: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._step_times = deque(maxlen=self.config.steps * 5)
 
     def observe(self, step: int, prelude: list[float], busy: list[float], step_time: float) -> list[Change]:
         """Take one step's per-rank timings (seconds) and its duration; the ranks whose state changed."""
         c = self.config
-        self._step_times = (self._step_times + [step_time])[-c.steps * 5:]
+        self._step_times.append(step_time)
         typical = statistics.median(self._step_times)
         mid_prelude, mid_busy = _lower_quartile(prelude), _lower_quartile(busy)
         changes = []
