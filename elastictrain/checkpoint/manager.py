@@ -33,7 +33,7 @@ StorageError; an unreachable endpoint is retried for `storage_wait_s` (`checkpoi
 
 Events (name, fields): checkpoint_saved {step, url, blocking_s, total_s, bytes}, checkpoint_failed {step, url,
 error, consecutive}, checkpoint_loaded {step, url, saved_world_size, verify_s}, checkpoint_skipped {url, reason},
-checkpoint_save_skipped {step, in_flight_step, in_flight_s}, checkpoint_deleted {url}, checkpoint_storage_full
+checkpoint_save_skipped {step, in_flight_step, in_flight_s | reason}, checkpoint_deleted {url}, checkpoint_storage_full
 {error}, checkpoint_storage_unreachable {error}. saved, failed, save_skipped and loaded are reported on every rank
 alike; the others on rank 0 only. `bytes`: the data DCP wrote, all ranks.
 
@@ -55,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from elastictrain.checkpoint import compat
@@ -68,6 +69,7 @@ from elastictrain.checkpoint.discovery import (
 )
 from elastictrain.checkpoint.manifest import CheckpointMetadata, library_versions, parse_step_dir, step_dir_name
 from elastictrain.checkpoint.retention import apply_retention
+from elastictrain.checkpoint.staging import AS_IS as _AS_IS
 from elastictrain.checkpoint.staging import ReusedCpuStager, plain_state_dict
 from elastictrain.checkpoint.storage import Storage, check_storage, explain_storage_error, open_storage
 from elastictrain.config import DEFAULT_STORAGE_WAIT_S, CheckpointConfig
@@ -109,6 +111,8 @@ class _InFlight:
     """Set to None on success, or to the save's exception, after retention ran."""
     deleted: list[str] = field(default_factory=list)
     nbytes: int = 0
+    release: Optional[Callable[[], None]] = None
+    """Called once the upload is over, either way (a save from a snapshot slot frees the slot)."""
 
 
 def _data_bytes(metadata: Metadata) -> int:
@@ -154,6 +158,8 @@ class CheckpointManager:
         self._ctl_pg = dist.new_group(backend="gloo") if self._distributed else None
         self._in_flight: Optional[_InFlight] = None
         self._stager = ReusedCpuStager(share_memory=cfg.async_mode == "process")
+        self.saves_from_snapshots = False
+        """Set when async saves are written from in-memory snapshots: no staging buffers are prepared."""
         self._staging_pending: Optional[dict[str, Any]] = None
         """A fresh start's state, whose staging buffers are readied after the first step (see `_prepare_staging`)."""
         self._failures = 0
@@ -266,17 +272,18 @@ class CheckpointManager:
             due = bool(flag.item())
         return due
 
-    def save(self, step: int, state: dict[str, Any], *, blocking: bool = False) -> bool:
+    def save(self, step: int, state: dict[str, Any], *, blocking: bool = False, agreed: bool = False) -> bool:
         """Save `state` as the checkpoint of `step` on every rank; False if it failed (blocking) or was skipped.
 
         Async (cfg.async_save and not blocking): skipped, on every rank, while the previous save is still
-        in flight on any rank (`checkpoint_save_skipped`); else returns once the state is staged, and the
-        upload and commit finish in the background. Blocking: waits for the save in flight first. Storage
-        failures never raise; CheckpointError only after cfg.max_consecutive_failures failed saves in a row.
+        in flight on any rank (`checkpoint_save_skipped`; `agreed`: `plan_async` already checked); else returns once
+        the state is staged, and the upload and commit finish in the background. Blocking: waits for the save in
+        flight first. Storage failures never raise; CheckpointError only after cfg.max_consecutive_failures failed
+        saves in a row.
         """
         if self.storage is None:
             raise CheckpointError("save() without checkpoint.url; set checkpoint.url to enable checkpoints")
-        if self.cfg.async_save and not blocking and self._skip_while_in_flight(step):
+        if self.cfg.async_save and not blocking and not agreed and self._agree(step, unable=False)[0]:
             return False
         self.wait()
         self._raise_if_failing()
@@ -301,44 +308,89 @@ class CheckpointManager:
                 self._emit("checkpoint_deleted", url=deleted)
             return True
         kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-        # Staging errors are local to this rank (its state_dict() failed): the other ranks are already in
-        # the save's collectives, so this is not a recoverable storage failure; let it raise.
-        fut = dcp.async_save(state, storage_writer=writer, process_group=self._dcp_pg, async_stager=self._stager,
-                             async_checkpointer_type=kind, no_dist=not self._distributed)
-        upload = getattr(fut, "upload_completion", fut)
-        flight = _InFlight(step=step, url=url, started=t0, blocking_s=time.monotonic() - t0)
-        self._in_flight = flight
-        upload.add_done_callback(lambda f: self._after_upload(flight, f))
+        self._start_async(step, state, writer, url, t0, self._stager, kind)
         return True
 
-    def _skip_while_in_flight(self, step: int) -> bool:
-        """Whether any rank's previous save is still uploading; then this one is skipped on every rank.
+    def _start_async(self, step: int, state: dict[str, Any], writer: CommittingWriter, url: str, t0: float,
+                     stager: AsyncStager, kind: AsyncCheckpointerType,
+                     release: Optional[Callable[[], None]] = None) -> None:
+        # Staging errors are local to this rank (its state_dict() failed): the other ranks are already in
+        # the save's collectives, so this is not a recoverable storage failure; let it raise.
+        try:
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self._dcp_pg, async_stager=stager,
+                                 async_checkpointer_type=kind, no_dist=not self._distributed)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        upload = getattr(fut, "upload_completion", fut)
+        flight = _InFlight(step=step, url=url, started=t0, blocking_s=time.monotonic() - t0, release=release)
+        self._in_flight = flight
+        upload.add_done_callback(lambda f: self._after_upload(flight, f))
 
-        Waiting for it would stall training on the storage: a stalled or slow object store would cost every
-        rank its steps for as long as the upload takes, and a slow save is not worth that. The answer must be
-        the same on every rank (DCP's collectives), hence one small all_reduce on the control group.
+    def plan_async(self, step: int, from_snapshot: bool) -> Optional[bool]:
+        """The ranks' common plan for the async save of `step` that is due (a collective): None, skipped on every
+        rank (the previous save is still uploading); True, written from every rank's snapshot of `step`
+        (`save_from_snapshot`, once it is committed); False, from the live state (`save`: some rank has no
+        snapshot to write from)."""
+        skip, unable = self._agree(step, unable=not from_snapshot)
+        return None if skip else not unable
+
+    def save_from_snapshot(self, step: int, state: Optional[dict[str, Any]], release: Callable[[], None]) -> bool:
+        """Write the durable checkpoint of `step` from this rank's committed snapshot (`state`: views of its slot,
+        None when this rank's snapshot failed); after `plan_async` said so, on every rank. Returns at once: the
+        upload runs in the background and calls `release` when it is over (or before returning, when it was not
+        started: every rank skips it when any rank has no snapshot)."""
+        assert self.storage is not None
+        if self._agree(step, unable=state is None, check_flight=False)[1]:
+            release()
+            log.warning("checkpoint step %d skipped: the in-memory snapshot it is written from failed on a rank",
+                        step)
+            self._emit("checkpoint_save_skipped", step=step, reason="snapshot failed")
+            return False
+        assert state is not None
+        self.wait()
+        self._raise_if_failing()
+        dirname = step_dir_name(step)
+        metadata = CheckpointMetadata(step=step, world_size=self.world_size, fingerprint=self.fingerprint,
+                                      versions=library_versions(), extra=self.extra_metadata)
+        self._last_saved_step = step
+        self._last_save_time = t0 = time.monotonic()
+        self._start_async(step, state, CommittingWriter(self.storage, dirname, metadata),
+                          self.storage.url_for(dirname), t0, _AS_IS, AsyncCheckpointerType.THREAD, release)
+        return True
+
+    def _agree(self, step: int, unable: bool, check_flight: bool = True) -> tuple[bool, bool]:
+        """(skip, any rank unable) for the async save of `step`, the same on every rank (one small all_reduce on
+        the control group: DCP's collectives need every rank to save alike).
+
+        Skip when any rank's previous save is still uploading: waiting for it would stall training on the
+        storage (a stalled or slow object store would cost every rank its steps for as long as the upload
+        takes, and a slow save is not worth that).
         """
-        flight = self._in_flight
+        flight = self._in_flight if check_flight else None
         busy = flight is not None and not flight.done.done()
-        mine = torch.tensor([flight.step if busy else -1, time.monotonic() - flight.started if busy else 0.0],
-                            dtype=torch.float64)
+        mine = torch.tensor([flight.step if busy else -1, time.monotonic() - flight.started if busy else 0.0,
+                             float(unable)], dtype=torch.float64)
         if self._distributed:
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        in_flight_step, running_s = int(mine[0].item()), float(mine[1].item())
+        in_flight_step, running_s, any_unable = int(mine[0].item()), float(mine[1].item()), bool(mine[2].item())
         if in_flight_step < 0:
-            return False
+            return False, any_unable
         self._last_save_time = time.monotonic()  # every_seconds: the next one an interval from now
         if self.rank == 0:
             log.warning("checkpoint step %d skipped: the save of step %d is still in flight (%.1f s); training "
                         "does not wait for storage. If this repeats, save less often (checkpoint.every_steps / "
                         "every_seconds)", step, in_flight_step, running_s)
         self._emit("checkpoint_save_skipped", step=step, in_flight_step=in_flight_step, in_flight_s=running_s)
-        return True
+        return True, any_unable
 
     def _after_upload(self, flight: _InFlight, fut: Any) -> None:
         # Runs in DCP's executor thread: retention here keeps it off the training thread, and inside the
         # "save in flight" window so that the next save cannot start while it deletes.
         exc = fut.exception()
+        if flight.release is not None:
+            flight.release()
         if exc is None:
             flight.nbytes = _data_bytes(fut.result())
             flight.deleted = self._retain()
@@ -406,7 +458,7 @@ class CheckpointManager:
 
         Called once the resume is done: faulting the pages in then overlaps the first steps, not the resume.
         """
-        if self.storage is None or not self.cfg.async_save:
+        if self.storage is None or not self.cfg.async_save or self.saves_from_snapshots:
             return
         self._stager.prepare(plain_state_dict(state))
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastictrain.checkpoint.replica_wire import Peer, PeerList, committed_markers, fetch, held
+from elastictrain.checkpoint.replica_wire import Peer, PeerList, fetch, held, slot_to_write
 from elastictrain.checkpoint.snapshot import same_job
 from elastictrain.errors import SnapshotReplicaError
 
@@ -85,9 +85,7 @@ def find_offers(root: Path, rank: int, identity: dict[str, Any]) -> tuple[dict[i
 def fetch_offer(offer: Offer, rank_dir: Path) -> None:
     """Copy the offered slot into this rank's folder (over its slot with no or the older snapshot) and commit it
     there, checksum checked; SnapshotReplicaError when the copy fails."""
-    held_steps = {m["slot"]: m["step"] for m in committed_markers(rank_dir)}
-    into = min((0, 1), key=lambda k: held_steps.get(k, -1))
-    fetch_slot(offer.peer, offer.path, offer.slot, rank_dir, into)
+    fetch_slot(offer.peer, offer.path, offer.slot, rank_dir, slot_to_write(rank_dir))
 
 
 def fetch_slot(peer: Peer, path: str, slot: int, into: Path, into_slot: int = 0) -> dict[str, Any]:

@@ -38,7 +38,9 @@ from elastictrain.checkpoint.replica_wire import (
     receive_slot,
     safe_node,
     slot_headers,
+    slot_to_write,
 )
+from elastictrain.checkpoint.snapshot_folders import SLOTS
 from elastictrain.errors import SnapshotReplicaError
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 60.0
 """A sender or reader that stops for this long frees its server thread (its slot stays uncommitted)."""
 
-_PUT = re.compile(r"^/replica/(?P<source>[^/]+)/rank(?P<rank>\d+)/slot(?P<slot>[01])$")
+_PUT = re.compile(r"^/replica/(?P<source>[^/]+)/rank(?P<rank>\d+)/slot(?P<slot>[0-9])$")
 
 
 class _HTTPServer(ThreadingMixIn, TCPServer):
@@ -154,11 +156,12 @@ class _Handler(BaseHTTPRequestHandler):
         except SnapshotReplicaError as e:
             self.close_connection = True
             return self._answer(400, e)
-        source, rank, slot = m["source"], int(m["rank"]), int(m["slot"])
+        source, rank = m["source"], int(m["rank"])
         dest = self.owner.folder / REPLICAS_DIR / source / f"rank{rank}"
         with self.owner.write_lock:
             try:
-                checksum = receive_slot(self.rfile.readinto, dest, slot, marker, meta_bytes)
+                # The sender's slot number is not kept: two replica slots per rank, whichever slot it came from.
+                checksum = receive_slot(self.rfile.readinto, dest, slot_to_write(dest), marker, meta_bytes)
             except SnapshotReplicaError as e:
                 log.warning("replica of node %s's rank %d (step %d) refused: %s", source, rank, marker["step"], e)
                 self.close_connection = True
@@ -178,7 +181,7 @@ class _Handler(BaseHTTPRequestHandler):
         rel, _, slot = self.path[len("/slot/"):].rpartition("/") if self.path.startswith("/slot/") else ("", "", "")
         m = RANK_PATH.match(rel)
         reader = None
-        if m is not None and slot in ("0", "1") and (m["source"] is None or safe_node(m["source"])):
+        if m is not None and slot.isdigit() and int(slot) in SLOTS and (m["source"] is None or safe_node(m["source"])):
             reader = SlotReader.open(self.owner.folder / rel, int(slot))
         if reader is None:
             return self._answer(404, f"no committed snapshot slot at {self.path}")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from elastictrain.checkpoint.snapshot_folders import SLOTS
 from elastictrain.errors import SnapshotReplicaError
 
 REPLICAS_DIR = "replicas"
@@ -108,8 +109,16 @@ def valid_marker(marker: Any) -> bool:
 
 def committed_markers(rank_dir: Path) -> list[dict[str, Any]]:
     """The committed slots' markers of one rank folder, newest step first."""
-    found = [m for m in (read_marker(rank_dir, k) for k in (0, 1)) if m is not None]
+    found = [m for m in (read_marker(rank_dir, k) for k in SLOTS) if m is not None]
     return sorted(found, key=lambda m: -m["step"])
+
+
+def slot_to_write(rank_dir: Path) -> int:
+    """Which of slots 0 and 1 a copy into `rank_dir` (a replica, a fetched snapshot) overwrites: the one with no or
+    the older commit, so the newer one stays committed while it is written. Two are enough for a copy: the third
+    slot is only for a rank's own snapshots while a durable save reads one of them."""
+    held = {m["slot"]: m["step"] for m in committed_markers(rank_dir)}
+    return min((0, 1), key=lambda k: held.get(k, -1))
 
 
 class WordSum:

@@ -5,14 +5,19 @@ shards, scheduler, data cursor, RNG, step) into files on a node-owned RAM file s
 agent creates for the run and removes when the job ends). A restarted worker on the same node finds them there
 and resumes from the step before the crash, without a storage read and without recomputing steps.
 
-Layout, per rank: two slots, each `rank<r>/slot<k>.bin` (the tensors' bytes, back to back), `slot<k>.meta` (pickled
-layout: per tensor its key path, dtype, shape and offset, and for a DTensor the global shape and this shard's global
-offset; the non-tensor values) and `slot<k>.json`, the slot's commit marker (step, identity, size, checksum of the
-bytes). A save takes the older slot, removes its marker first, writes the bytes and the layout, then renames the new
-marker into place: a crash in the middle of a copy leaves the other slot's snapshot committed, never a torn one.
-Two slots also let ranks that died one step apart agree on a step they all hold. A load checks the identity (run,
-fingerprint, world size, checkpoint URL) and the checksum; anything that does not match is not used, with the reason
-returned to the caller.
+Layout, per rank: two slots (a third while a durable save reads one, below), each `rank<r>/slot<k>.bin` (the
+tensors' bytes, back to back), `slot<k>.meta` (pickled layout: per tensor its key path, dtype, shape and offset, and
+for a DTensor the global shape and this shard's global offset; the non-tensor values) and `slot<k>.json`, the slot's
+commit marker (step, identity, size, checksum of the bytes). A save takes the older slot, removes its marker first,
+writes the bytes and the layout, then renames the new marker into place: a crash in the middle of a copy leaves the
+other slot's snapshot committed, never a torn one. Two slots also let ranks that died one step apart agree on a step
+they all hold. A load checks the identity (run, fingerprint, world size, checkpoint URL) and the checksum; anything
+that does not match is not used, with the reason returned to the caller.
+
+A durable checkpoint can be written from a committed slot instead of from the live state (`hold` gives a DCP state
+dict whose tensors are views of the slot): training then pays nothing for a durable save beyond the snapshot it
+takes anyway. The held slot is not rewritten until `release`; meanwhile snapshots rotate over the two others, so a
+crash during the upload still finds the snapshot of the step before it.
 
 Restoring fills the live state in place: each tensor of a freshly taken state dict (a DTensor's local shard)
 receives the saved bytes, each other value is replaced, then every `Stateful` gets `load_state_dict`. It needs the
@@ -35,6 +40,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+
+from elastictrain.checkpoint.snapshot_folders import SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,15 @@ def _leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
             yield from _leaves(v, (*path, i))
     else:
         yield path, obj
+
+
+def _rebuild(obj: Any, path: tuple, leaves: dict[tuple, Any]) -> Any:
+    """`obj`'s structure (as `_leaves` walks it) with each leaf taken from `leaves` by its path."""
+    if isinstance(obj, dict) and (obj or not path):
+        return {k: _rebuild(v, (*path, k), leaves) for k, v in obj.items()}
+    if isinstance(obj, list) and (obj or not path):
+        return [_rebuild(v, (*path, i), leaves) for i, v in enumerate(obj)]
+    return leaves[path]
 
 
 def _set(obj: Any, path: tuple, value: Any) -> None:
@@ -107,6 +123,11 @@ class SnapshotStore:
         self._buffers: dict[int, torch.Tensor] = {}
         self._chunks: dict[tuple, tuple] = {}
         self._pending: Optional[_Copy] = None
+        self._templates: dict[int, dict[str, Any]] = {}
+        """Per slot, the state as it was saved (its tensors say how a durable save shards them: `hold`)."""
+        self._held: set[int] = set()
+        self._rotate_three = False
+        self._lock = threading.Lock()
         self.last: Optional[SnapshotInfo] = None
         """The newest snapshot this store committed."""
 
@@ -123,8 +144,7 @@ class SnapshotStore:
         deferred.
         """
         self.wait()
-        held = {i.slot: i.step for i in self._committed()}
-        slot = min((0, 1), key=lambda k: held.get(k, -1))
+        slot = self._next_slot()
         flat = _materialise(state)
         copies: list[tuple[torch.Tensor, int, int, bool]] = []  # (tensor, offset, bytes, deferred)
         objects, layout, chunks, offset = [], [], [], 0
@@ -149,6 +169,7 @@ class SnapshotStore:
         with open(self.dir / f"slot{slot}.meta", "wb") as f:
             pickle.dump({"layout": layout, "objects": objects, "keys": sorted(flat), "chunks": chunks}, f,
                         protocol=pickle.HIGHEST_PROTOCOL)
+        self._templates[slot] = flat
         deferred = [c for c in copies if c[3]]
         if not deferred:
             return self._commit(step, slot, buf, offset)
@@ -158,6 +179,41 @@ class SnapshotStore:
             ready.record()  # the copy stream starts after the work queued so far (the optimizer step)
         self._pending = _Copy(self, step, slot, buf, offset, deferred, ready)
         return None
+
+    def _next_slot(self) -> int:
+        """The slot to write: the one with no or the oldest commit among the two in rotation, or, once a durable
+        save has held one, among the three that are not held."""
+        steps = {i.slot: i.step for i in self._committed()}
+        with self._lock:
+            free = [k for k in SLOTS if k not in self._held] if self._rotate_three else [0, 1]
+        return min(free, key=lambda k: steps.get(k, -1))
+
+    def hold(self, info: SnapshotInfo) -> dict[str, Any]:
+        """The committed snapshot `info` (this store's own newest) as a DCP state dict to save from: its tensors are
+        views of the slot (a DTensor keeps the live one's mesh and placements), its other values as saved. The slot
+        is not rewritten until `release(info)`."""
+        template = self._templates.get(info.slot)
+        if template is None or self.last is None or self.last.slot != info.slot or self.last.step != info.step:
+            raise ValueError(f"the snapshot of step {info.step} is not this store's newest")
+        meta = read_layout(self.dir, info)
+        buf = self._buffers[info.slot]
+        values: dict[tuple, Any] = dict(meta["objects"])
+        live = dict(_leaves(template))
+        for path, dtype, shape, off, n in meta["layout"]:
+            view = buf[off:off + n].view(getattr(torch, dtype)).reshape(shape)
+            like = live[path]
+            values[path] = (DTensor.from_local(view, like.device_mesh, like.placements, run_check=False,
+                                               shape=like.shape, stride=like.stride())
+                            if isinstance(like, DTensor) else view)
+        with self._lock:
+            self._held.add(info.slot)
+            self._rotate_three = True
+        return _rebuild(template, (), values)
+
+    def release(self, info: SnapshotInfo) -> None:
+        """The durable save from `info`'s slot is done (any thread): the slot rotates again."""
+        with self._lock:
+            self._held.discard(info.slot)
 
     def _chunk(self, value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(global shape, this shard's global offset) of a DTensor, as DCP's planner sees it (what a restore at
@@ -207,7 +263,7 @@ class SnapshotStore:
 
     def _committed(self) -> list[SnapshotInfo]:
         out = []
-        for slot in (0, 1):
+        for slot in SLOTS:
             try:
                 out.append(SnapshotInfo(**json.loads((self.dir / f"slot{slot}.json").read_text())))
             except (OSError, ValueError, TypeError):

@@ -20,6 +20,9 @@ from elastictrain.errors import ConfigError
 SLOTS_PER_RANK = 2
 """Each rank's double buffer (checkpoint/snapshot.py): the newest committed snapshot stays while the next is
 written."""
+DURABLE_SLOTS_PER_RANK = 1
+"""With durable checkpoints written from the snapshots, the slot a save reads stays as it is while two others
+rotate. It replaces the staging buffer an async save from the live state keeps (one more copy in worker memory)."""
 REPLICA_SLOTS_PER_RANK = 2
 """With peer replicas, a node also holds the two newest replicated slots of each rank of one peer node (which runs
 as many ranks as this one): agent/replication.py keeps two per source rank, so a slot rewritten in transfer never
@@ -44,15 +47,19 @@ class SnapshotBudget:
     files are rewritten in place, and other ranks of the node may have committed theirs first)."""
 
 
-def snapshot_bytes_needed(state_bytes_per_rank: int, local_ranks: int, replica: bool) -> int:
-    """The bytes one node's snapshots take: two slots per local rank, plus a peer node's replica if replicated."""
-    slots = SLOTS_PER_RANK + (REPLICA_SLOTS_PER_RANK if replica else 0)
-    return slots * local_ranks * state_bytes_per_rank
+def slots_per_rank(replica: bool, durable: bool) -> int:
+    """Slots a node holds per local rank: its own two, one held by a durable save, two of a peer's replica."""
+    return SLOTS_PER_RANK + (DURABLE_SLOTS_PER_RANK if durable else 0) + (REPLICA_SLOTS_PER_RANK if replica else 0)
 
 
-def ram_per_state_gb(nodes: int = 1, replica: bool = False) -> float:
+def snapshot_bytes_needed(state_bytes_per_rank: int, local_ranks: int, replica: bool, durable: bool = False) -> int:
+    """The bytes one node's snapshots take: `slots_per_rank` slots per local rank."""
+    return slots_per_rank(replica, durable) * local_ranks * state_bytes_per_rank
+
+
+def ram_per_state_gb(nodes: int = 1, replica: bool = False, durable: bool = False) -> float:
     """GB of RAM the snapshots take on each node per GB of the job's train state, spread evenly over `nodes`."""
-    return snapshot_bytes_needed(1, 1, replica) / nodes
+    return snapshot_bytes_needed(1, 1, replica, durable) / nodes
 
 
 def host_memory_bytes() -> int:
@@ -102,17 +109,18 @@ def resolve_budget(setting: Union[int, float, str, None], folder: Path) -> tuple
 
 
 def check_snapshot_budget(state_bytes_per_rank: int, local_ranks: int, budget: Union[int, float, str, None],
-                          folder: Path, replica: bool) -> SnapshotBudget:
+                          folder: Path, replica: bool, durable: bool = False) -> SnapshotBudget:
     """Raise ConfigError (not restartable) when this node's snapshots do not fit in the budget or in the free space
     under `folder`; otherwise return the numbers (for a log line)."""
-    needed = snapshot_bytes_needed(state_bytes_per_rank, local_ranks, replica)
+    needed = snapshot_bytes_needed(state_bytes_per_rank, local_ranks, replica, durable)
     limit, limit_from = resolve_budget(budget, folder)
     fs = _statvfs(folder)
     available = fs.f_bavail * fs.f_frsize + bytes_held(folder)
     plan = SnapshotBudget(needed=needed, budget=limit, budget_from=limit_from, available=available)
     if needed <= min(limit, available):
         return plan
-    slots = f"({SLOTS_PER_RANK} slots + a peer node's replica)" if replica else f"{SLOTS_PER_RANK} slots"
+    own = SLOTS_PER_RANK + (DURABLE_SLOTS_PER_RANK if durable else 0)
+    slots = f"({own} slots + a peer node's replica)" if replica else f"{own} slots"
     why = [f"{_FIELD} allows {limit} bytes ({_human(limit)}, {limit_from})"] if needed > limit else []
     fix = [f"raise {_FIELD}"] if needed > limit else []
     if needed > available:
@@ -126,11 +134,11 @@ def check_snapshot_budget(state_bytes_per_rank: int, local_ranks: int, budget: U
 
 
 def room_check(budget: Union[int, float, str, None], folder: Path, local_ranks: int,
-               replica: bool) -> Callable[[int], None]:
+               replica: bool, durable: bool = False) -> Callable[[int], None]:
     """The check a `SnapshotStore` runs before it first reserves its slots (and when the state grows): raises
     `check_snapshot_budget`'s ConfigError, logs the numbers once when they fit."""
     def check(state_bytes_per_rank: int) -> None:
-        plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica)
+        plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica, durable)
         log.info("in-memory snapshots need %s on this node of %s allowed (%s), %s free", _human(plan.needed),
                  _human(plan.budget), plan.budget_from, _human(plan.available))
     return check

@@ -29,6 +29,11 @@ def snapshot_base() -> Path:
     return base / f"elastictrain-snapshots-{os.getuid()}"
 
 
+SLOTS = (0, 1, 2)
+"""A rank's snapshot slots (checkpoint/snapshot.py): two rotate; the third is used while a durable save is written
+from one of them (the slot it reads stays as it is until the upload is done)."""
+
+
 @dataclass(frozen=True)
 class CommittedSnapshot:
     """One committed slot of one rank, as its commit marker describes it."""
@@ -56,7 +61,7 @@ class RunFolder:
 def committed(rank_dir: Path, rank: int) -> list[CommittedSnapshot]:
     """The committed slots of one rank's folder, newest first; a missing or half-written marker is not a commit."""
     out = []
-    for slot in (0, 1):
+    for slot in SLOTS:
         try:
             m = json.loads((rank_dir / f"slot{slot}.json").read_text())
             out.append(CommittedSnapshot(rank=rank, step=int(m["step"]), slot=int(m["slot"]),

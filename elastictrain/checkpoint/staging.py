@@ -140,3 +140,18 @@ class ReusedCpuStager(AsyncStager):
         self._join()
         self._cache = None
         self._sig = None
+
+
+class _AsIs(AsyncStager):
+    """Stages nothing: for a state that already is a stable copy (a snapshot slot held for the save)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing was staged."""
+
+
+AS_IS = _AsIs()

@@ -93,14 +93,22 @@ class StateCheckpointer:
         self._resumed: Optional[int] = None
         """The durable checkpoint's step this run resumed from."""
         self.snapshots: Optional[SnapshotStore] = None
+        self._snapshot_step: Optional[int] = None
+        """The step of the newest snapshot that was started and did not fail at once."""
+        self._durable_pending: Optional[int] = None
+        """A durable save due at this step, to be written from its snapshot once that is committed."""
         self._hook: Optional[RemovableHandle] = None
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
                         "world_size": world_size, "url": cfg.url}
+            # Durable saves are written from the snapshots, not staged from the live state (thread mode: the
+            # process-based checkpointer would copy the slots into its own shared memory first).
+            self.mgr.saves_from_snapshots = bool(cfg.url) and cfg.async_save and cfg.async_mode == "thread"
             # With more than one node, the agent also keeps a peer node's replicas in this folder.
             room = room_check(cfg.snapshot_memory, Path(root), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                              replica=int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1)
+                              replica=int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1,
+                              durable=self.mgr.saves_from_snapshots)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
             # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
@@ -282,7 +290,9 @@ class StateCheckpointer:
 
     def _holds(self, step: int) -> bool:
         """Whether `step` is saved: resumed from, or committed (its async save in flight is waited for). A save
-        that was skipped (the previous one still uploading) or failed does not count."""
+        that was skipped (the previous one still uploading) or failed does not count. A durable save waiting for
+        its snapshot's copy is started first."""
+        self._finish_snapshot()
         if self._last_saved != step:
             return False
         if self._resumed != step:
@@ -292,17 +302,50 @@ class StateCheckpointer:
 
     def _save(self, blocking: bool) -> None:
         step = self.state.step
+        agreed = False
+        if not blocking and self.cfg.async_save:
+            from_snapshot = self.mgr.saves_from_snapshots and self.snapshots is not None \
+                and self._snapshot_step == step
+            plan = self.mgr.plan_async(step, from_snapshot)
+            if plan is None:
+                return
+            if plan:
+                # Written from this step's snapshot once its copy (overlapping the next step) is committed.
+                self._durable_pending = step
+                if self.snapshots is not None and not self.snapshots.in_flight:
+                    self._start_durable()
+                return
+            agreed = True
         # The agent allows the save phase more time than a step before it calls a worker hung.
         self.heartbeat.beat(step, "save")
-        if self.mgr.save(step, self.state.checkpoint_state(self.rank), blocking=blocking):
+        if self.mgr.save(step, self.state.checkpoint_state(self.rank), blocking=blocking, agreed=agreed):
             self._last_saved = step
         self.heartbeat.beat(step, "train")
 
+    def _start_durable(self) -> None:
+        """Start the pending durable save from its snapshot slot (on every rank: a collective)."""
+        step, self._durable_pending = self._durable_pending, None
+        assert step is not None
+        store, view = self.snapshots, None
+        info = store.last if store is not None else None
+        if store is not None and info is not None and info.step == step:
+            try:
+                view = store.hold(info)
+            except (ValueError, OSError) as e:
+                log.warning("the snapshot of step %d cannot be saved from: %s", step, e)
+        release = (lambda: store.release(info)) if view is not None and store is not None and info is not None \
+            else (lambda: None)
+        if self.mgr.save_from_snapshot(step, view, release):
+            self._last_saved = step
+
     def _snapshot(self, step: int) -> None:
-        assert self.snapshots is not None
+        self._finish_snapshot()
+        if self.snapshots is None:
+            return
         try:
             state = self.state.checkpoint_state(self.rank, reuse=True)
             self.snapshots.save(step, state, later=self._optimizer_storages())
+            self._snapshot_step = step
         except OSError as e:  # /dev/shm full (reserved before any write: never a SIGBUS), or gone
             self._snapshots_off(step, e)
 
@@ -316,13 +359,15 @@ class StateCheckpointer:
         return frozenset(storage_key(t) for t in tensors)
 
     def _finish_snapshot(self) -> None:
-        """Wait for the snapshot copy in flight, if any (before anything changes what it copies)."""
-        if self.snapshots is None or not self.snapshots.in_flight:
-            return
-        try:
-            self.snapshots.wait()
-        except Exception as e:  # noqa: BLE001 - a failed snapshot must not fail the step
-            self._snapshots_off(None, e)
+        """Wait for the snapshot copy in flight, if any (before anything changes what it copies), then start the
+        durable save waiting for it."""
+        if self.snapshots is not None and self.snapshots.in_flight:
+            try:
+                self.snapshots.wait()
+            except Exception as e:  # noqa: BLE001 - a failed snapshot must not fail the step
+                self._snapshots_off(None, e)
+        if self._durable_pending is not None:
+            self._start_durable()
 
     def _snapshots_off(self, step: Optional[int], e: BaseException) -> None:
         what = f"the snapshot of step {step}" if step is not None else "a snapshot copy"
@@ -330,6 +375,7 @@ class StateCheckpointer:
         self._emit("checkpoint_snapshot_failed", {"step": step if step is not None else self.state.step,
                                                   "error": str(e)})
         self.snapshots = None
+        self.mgr.saves_from_snapshots = False
 
     def close(self) -> None:
         self.mgr.close()

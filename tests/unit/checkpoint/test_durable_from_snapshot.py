@@ -1,0 +1,76 @@
+"""Durable checkpoints written from in-memory snapshots (#14 item 3): the checkpoint holds exactly the state of its
+step, training stages nothing for it (no second copy of the state), and the slot it reads is not rewritten while the
+upload runs, so a crash meanwhile still finds the snapshot of the step before it."""
+
+from __future__ import annotations
+
+import torch.distributed.checkpoint as dcp
+
+from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.config import CheckpointConfig
+from elastictrain.runtime.checkpointing import StateCheckpointer
+from elastictrain.runtime.heartbeat import Heartbeat
+from tests.unit.checkpoint.test_snapshot import JOB, _same, _state, _train
+
+
+def test_a_held_slot_is_saved_as_its_step_and_is_not_rewritten_until_released(tmp_path):
+    state, model, optim = _state(0)
+    store = SnapshotStore(tmp_path / "shm", 0, JOB)
+    _train(state, model, optim)
+    store.save(state.step, state.checkpoint_state(0))
+    at_one, _, _ = _state(0)
+    _train(at_one, at_one.model, at_one.optim)
+    info = store.last
+    view = store.hold(info)
+    before = (store.dir / f"slot{info.slot}.bin").read_bytes()
+    for _ in range(4):  # the snapshots go on, over the two other slots
+        _train(state, model, optim)
+        store.save(state.step, state.checkpoint_state(0))
+        steps = sorted(i.step for i in store.available()[0])
+        # The held step stays, and so do the two newest (the one before a crash mid-copy, and the newest).
+        assert steps == sorted({1, state.step - 1, state.step}), steps
+    assert (store.dir / f"slot{info.slot}.bin").read_bytes() == before, "the held slot was rewritten"
+    dcp.save(view, checkpoint_id=str(tmp_path / "ck1"), no_dist=True)
+    fresh, _, _ = _state(5)
+    loaded = fresh.checkpoint_state(0, for_load=True)
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ck1"), no_dist=True)
+    assert _same(fresh, at_one), "the checkpoint written from the slot is not the state of step 1"
+    store.release(info)
+    for _ in range(3):
+        _train(state, model, optim)
+        store.save(state.step, state.checkpoint_state(0))
+    assert 1 not in [i.step for i in store.available()[0]], "a released slot rotates again"
+    store.close()
+
+
+def test_durable_saves_come_from_the_snapshots_without_staging_and_hold_each_steps_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    state, model, optim = _state(0)
+    cfg = CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, every_steps=2, storage_wait_s=0,
+                           keep_last=10)
+    ckpt = StateCheckpointer(cfg, state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    events = []
+    ckpt.mgr._on_event = lambda name, fields: events.append((name, fields))
+    expected = {}
+    try:
+        for _ in range(6):
+            _train(state, model, optim)
+            ckpt.snapshot_if_due(final=False)
+            ckpt.after_step(final=False, stopping=False)
+            ckpt.mgr.wait()  # this test's steps are shorter than an upload: no save skipped for being in flight
+            if state.step % 2 == 0:
+                snap, _, _ = _state(0)
+                for _ in range(state.step):
+                    _train(snap, snap.model, snap.optim)
+                expected[state.step] = snap
+        ckpt.mgr.wait()
+    finally:
+        ckpt.close()
+    saved = [f["step"] for n, f in events if n == "checkpoint_saved"]
+    assert saved == [2, 4, 6], events
+    assert ckpt.mgr._stager._cache is None, "a save from a snapshot must not stage a second copy of the state"
+    for step, want in expected.items():
+        fresh, _, _ = _state(7)
+        loaded = fresh.checkpoint_state(0, for_load=True)
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "ck" / f"step-{step:08d}"), no_dist=True)
+        assert _same(fresh, want), f"the durable checkpoint of step {step} is not that step's state"
