@@ -213,6 +213,14 @@ class ElasticConfig:
     does not wait for Python, torch and the model code to import."""
     prewarm: list[str] = field(default_factory=list)
     """Modules a spare imports before it waits (`--prewarm a,b`); a user's script's spares also import torch."""
+    replace_stragglers: bool = False
+    """Act on a straggler still slow `straggler_replace_after_steps` steps after it was named: restart the group's
+    workers at a step boundary (state saved), or drain its node when that host straggled again (docs/agent.md)."""
+    straggler_replace_after_steps: int = 20
+    """Steps in a row a named straggler must stay slow before it is replaced."""
+    straggler_drain_window_s: float = 3600.0
+    """A host whose rank was restarted as a straggler within this long is drained the next time (0: never drain)."""
+
 
 
 @dataclass
@@ -635,6 +643,13 @@ def validate_elastic(e: ElasticConfig) -> None:
                           f"elastic.restart_backoff_max_s={e.restart_backoff_max_s:g}")
     if not 0 <= e.restart_backoff_jitter < 1:
         raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
+    if e.straggler_replace_after_steps < 1:
+        raise ConfigError(f"elastic.straggler_replace_after_steps must be >= 1 (got "
+                          f"{e.straggler_replace_after_steps}); to never replace stragglers set "
+                          f"elastic.replace_stragglers: false")
+    if e.straggler_drain_window_s < 0:
+        raise ConfigError(f"elastic.straggler_drain_window_s must be >= 0 (got {e.straggler_drain_window_s:g}); "
+                          f"0 never drains a straggler's node (its workers are only restarted)")
     h = e.hang
     if h.floor_s < 0:
         raise ConfigError(f"elastic.hang.floor_s must be >= 0 (got {h.floor_s:g}); 0 turns hang detection off")

@@ -325,7 +325,7 @@ class ElasticAgent(LocalElasticAgent):
         steps = [w.step for w in workers if w.step is not None]
         resumed = [w.first_step for w in workers if w.first_step is not None]
         try:
-            rec = self._budget.charge(_rdzv_round(worker_group), self._node_id(), self._last_cause,
+            rec = self._budget.charge(rdzv_round(worker_group), self._node_id(), self._last_cause,
                                       max(steps) if steps else None, min(resumed) if resumed else None)
         except AgentError as e:
             self._emit(_END_EVENT.get(type(e), "budget_exhausted"), cause=str(e))
@@ -386,7 +386,8 @@ class ElasticAgent(LocalElasticAgent):
             failures = [_failure_fields(rank, f) for rank, f in sorted(result.failures.items())]
             if failures and all(f["exitcode"] == EXIT_REFORM for f in failures):
                 self._reform = True
-                self._emit("reform", cause="a peer node drained; state saved, re-forming the group")
+                self._emit("reform", cause="every rank stopped at a step boundary (a node drained, or a straggler is "
+                           "replaced); state saved, re-forming the group")
                 return result
             cause = "; ".join(f"rank {f['global_rank']}: {f['message']}" for f in failures) or result.state.value
             self._last_cause = cause
@@ -509,7 +510,7 @@ class ElasticAgent(LocalElasticAgent):
                 log.exception("agent event listener %r failed on %s event", listener, kind)
 
 
-def _rdzv_round(worker_group: WorkerGroup) -> int:
+def rdzv_round(worker_group: WorkerGroup) -> int:
     """The rendezvous round the group was formed in (torch's dynamic rendezvous keeps it in its state)."""
     holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
     state = getattr(holder, "state", None)

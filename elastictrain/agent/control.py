@@ -5,10 +5,11 @@ Keys, under the run's prefix (`/elastictrain/<run_id>`), written by `elastictrai
     control/pause           present while the job should be paused (ControlRequest JSON); `resume` deletes it.
     control/ckpt            ControlRequest whose `seq` grows with every `ckpt now`.
     control/drain/<node>    drain that node; its agent deletes the key when it acts.
+    control/replace         the newest straggler replace request (`agent/straggler_replace.py`).
 
 Every agent polls `control/` (one range read every `interval_s`) and relays: a drain makes the agent signal
 itself SIGTERM (the same path as an operator's `kill -TERM`: workers finish the step, save, the peers re-form
-without this node); pause/resume and checkpoint requests go to the workers through the control file and a
+without this node); pause/resume, checkpoint and re-form requests go to the workers through the control file and a
 doorbell signal (see `elastictrain.runtime.control`). Relaying never fails training: etcd errors are logged.
 """
 
@@ -21,7 +22,8 @@ import shutil
 import signal
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
@@ -86,6 +88,8 @@ class ControlRelay:
         self._ckpt_seen: Optional[int] = None
         self._rung: dict[int, ControlState] = {}
         self._draining = False
+        self.pollers: list[Callable[[dict[str, bytes]], None]] = []
+        """Also given the control keys at each poll (the straggler replacer's requests)."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -112,12 +116,14 @@ class ControlRelay:
         node = self._node()
         if node and not self._draining and drain_key(self.prefix, node) in raw:
             self._drain(node, ControlRequest.from_json(raw[drain_key(self.prefix, node)]))
+        for poller in self.pollers:
+            poller(raw)
         paused = pause_key(self.prefix) in raw
         ckpt = raw.get(ckpt_key(self.prefix))
         seq = ControlRequest.from_json(ckpt).seq if ckpt is not None else 0
         if self._ckpt_seen is None:
             self._ckpt_seen = seq  # requests older than this agent were for an earlier group
-        wanted = ControlState(paused=paused, ckpt_seq=self.state.ckpt_seq)
+        wanted = ControlState(paused=paused, ckpt_seq=self.state.ckpt_seq, reform_seq=self.state.reform_seq)
         if seq > self._ckpt_seen:
             self._ckpt_seen = seq
             wanted.ckpt_seq = seq
@@ -144,10 +150,25 @@ class ControlRelay:
             except ProcessLookupError:
                 continue
 
-    def _drain(self, node: str, req: ControlRequest) -> None:
+    def request_reform(self) -> None:
+        """Ask this node's workers to stop at the next step boundary, saved, for the group to re-form (every rank
+        stops with them: the step's all_reduce agrees on it)."""
+        self.state = replace(self.state, reform_seq=self.state.reform_seq + 1)
+        self.state.write(self.path)
+        self._ring()
+
+    def drain_self(self, reason: str) -> None:
+        """Drain this node as an operator's `elastictrain drain` would (the straggler replacer's last resort)."""
+        node = self._node()
+        if node and not self._draining:
+            self._drain(node, ControlRequest(action="drain", by="straggler replacement", time=time.time(),
+                                             reason=reason), delete=False)
+
+    def _drain(self, node: str, req: ControlRequest, delete: bool = True) -> None:
         self._draining = True
         try:
-            self.client.delete(drain_key(self.prefix, node))
+            if delete:
+                self.client.delete(drain_key(self.prefix, node))
         except Exception as e:
             log.warning("could not delete the drain request for %s: %s", node, e)
         self._emit("control", {"action": "drain", "by": req.by, "reason": req.reason})

@@ -43,6 +43,7 @@ from elastictrain.agent.status import (
     read_events,
     read_nodes,
 )
+from elastictrain.agent.straggler_replace import ReplacePolicy, StragglerReplacer
 from elastictrain.config import ElasticConfig, JobConfig, load_config, load_elastic
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
@@ -50,6 +51,7 @@ from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
+from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +150,9 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                              lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
         stack.callback(relay.close)
         os.environ.update(relay.env())  # the workers inherit the agent's environment
+        replacer = _straggler_replacer(elastic, client, settings.run_prefix, request.config.min_nodes, relay,
+                                       lambda: publisher.node if publisher else None,
+                                       lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
         snapshot_dir = snapshots.make_snapshot_dir(run_id)
         stack.callback(snapshots.remove, snapshot_dir)  # node RAM: gone with the job
 
@@ -166,6 +171,9 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             publisher.attach(agent)
             stack.callback(publisher.close)
             relay.attach(agent)
+            if replacer is not None:
+                replacer.attach(agent)
+                agent.add_listener(replacer)
             liveness = getattr(agent.get_worker_group().spec.rdzv_handler, "liveness", None)
             replicator = None
             if liveness is not None:
@@ -216,6 +224,19 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                       why or "the job has ended on another node; see `elastictrain events`")
             return _exit_code(why)
     return 0
+
+
+def _straggler_replacer(elastic: ElasticConfig, client: EtcdClient, run_prefix: str, min_nodes: int,
+                        relay: ControlRelay, node: Callable[[], Optional[str]],
+                        emit: Callable[[str, dict[str, Any]], None]) -> Optional[StragglerReplacer]:
+    """With `elastic.replace_stragglers`: the workers confirm stragglers (environment), this agent replaces them."""
+    if not elastic.replace_stragglers:
+        return None
+    os.environ[ENV_CONFIRM_STEPS] = str(elastic.straggler_replace_after_steps)
+    replacer = StragglerReplacer(client, run_prefix, ReplacePolicy(elastic.straggler_drain_window_s, min_nodes),
+                                 socket.gethostname(), node, emit, relay.request_reform, relay.drain_self)
+    relay.pollers.append(replacer.poll)
+    return replacer
 
 
 def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,

@@ -58,6 +58,9 @@ class Member:
     replica_peer: Optional[str] = None
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Ranks named slow now (see NodeStatus.stragglers)."""
+    stragglers_replaced: dict[str, int] = field(default_factory=dict)
+    last_replacement: Optional[dict[str, Any]] = None
+    """See NodeStatus: the stragglers this node's agent replaced."""
 
 
 @dataclass
@@ -124,7 +127,8 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
                   phases=phases, heartbeat_age_s=round(max(beats) + age, 1) if beats else None, step=n.step,
                   step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
                   last_event=n.last_event, snapshot_step=n.snapshot_step, replicated_step=n.replicated_step,
-                  replica_peer=n.replica_peer, stragglers=n.stragglers)
+                  replica_peer=n.replica_peer, stragglers=n.stragglers,
+                  stragglers_replaced=n.stragglers_replaced, last_replacement=n.last_replacement)
 
 
 def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from elastictrain.agent.status import NodeStatus
@@ -92,6 +92,11 @@ class AgentCollector(Collector):
             if isinstance(info.get("lateness_s"), (int, float)):
                 slow.add_metric([st.node, rank], float(info["lateness_s"]))
         yield slow
+        replaced = CounterMetricFamily("elastictrain_stragglers_replaced", "Stragglers of this node its agent "
+                                       "replaced (elastic.replace_stragglers), by action", labels=["node", "action"])
+        for action, count in sorted(st.stragglers_replaced.items()):
+            replaced.add_metric([st.node, action], float(count))
+        yield replaced
         up = GaugeMetricFamily("elastictrain_node_up", "1 for this node's current state", labels=["node", "state"])
         up.add_metric([st.node, st.state], 1.0)
         yield up

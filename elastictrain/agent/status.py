@@ -81,6 +81,10 @@ class NodeStatus:
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Ranks of the job named slow now (reported by rank 0, so on its node): global rank -> step (since when),
     lateness_s (seconds late per step), score (that over the step time)."""
+    stragglers_replaced: dict[str, int] = field(default_factory=dict)
+    """Stragglers of this node this agent replaced (`elastic.replace_stragglers`), per action: restart, drain."""
+    last_replacement: Optional[dict[str, Any]] = None
+    """The newest of them: slow_rank, action, step, lateness_s, time."""
 
     @classmethod
     def from_json(cls, data: bytes) -> "NodeStatus":
@@ -181,6 +185,11 @@ class EtcdStatusPublisher:
                 self.status.stragglers[str(fields["slow_rank"])] = {k: fields.get(k) for k in keep}
             elif kind == "straggler_cleared":
                 self.status.stragglers.pop(str(fields.get("slow_rank")), None)
+            elif kind == "straggler_replaced":
+                action = str(fields.get("action"))
+                self.status.stragglers_replaced[action] = self.status.stragglers_replaced.get(action, 0) + 1
+                self.status.last_replacement = {k: fields.get(k) for k in ("slow_rank", "action", "step", "lateness_s")}
+                self.status.last_replacement["time"] = now
             elif kind in ("restart", "join"):
                 self.status.stragglers = {}  # a new group: its ranks are judged afresh
             if "group_rank" in fields:

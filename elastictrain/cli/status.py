@@ -119,7 +119,20 @@ def _stragglers(view: JobView) -> list[str]:
     slow = {int(r): info for m in view.members if m.state not in ("gone", "left") for r, info in m.stragglers.items()}
     return [f"straggler:  rank {r}: {info.get('lateness_s', 0):.3f}s late per step "
             f"({100 * (info.get('score') or 0):.0f}% of the step time) since step {info.get('step')}"
-            for r, info in sorted(slow.items(), key=lambda kv: -(kv[1].get("lateness_s") or 0))]
+            for r, info in sorted(slow.items(), key=lambda kv: -(kv[1].get("lateness_s") or 0))] + _replaced(view)
+
+
+def _replaced(view: JobView) -> list[str]:
+    """The newest straggler replacement of each node that made one (a drained node's record stays), and the count."""
+    out = []
+    for m in view.members:
+        r = m.last_replacement
+        if not r:
+            continue
+        counts = ", ".join(f"{n} {a}" for a, n in sorted(m.stragglers_replaced.items()))
+        out.append(f"replaced:   rank {r.get('slow_rank')} on {m.node} ({r.get('action')}) at step {r.get('step')}, "
+                   f"{r.get('lateness_s') or 0:.3f}s late per step; this node so far: {counts}")
+    return out
 
 
 def _no_progress(view: JobView) -> str:

@@ -7,6 +7,8 @@ recipe's per-step all_reduce turns the local wishes into one decision shared by 
 
 * pause: any rank asks -> all ranks pause together at the same step; they resume when no rank asks any more.
 * checkpoint now: only global rank 0's wish counts, so a request is saved exactly once, whichever agent saw it first.
+* re-form: any rank asks -> every rank stops at the same step boundary, saves, and exits for the agents to re-form
+  the group with fresh worker processes (how the agent replaces a straggling rank: `elastic.replace_stragglers`).
 
 SIGUSR1's default action kills a process: the handler is installed first thing in the worker, and the agent
 rings only workers that have already sent a heartbeat (which they do after installing it).
@@ -35,6 +37,8 @@ class ControlState:
     paused: bool = False
     ckpt_seq: int = 0
     """Id of the newest "checkpoint now" request; a higher value than the last handled one is a new request."""
+    reform_seq: int = 0
+    """Id of the newest re-form request, read like `ckpt_seq`."""
 
     @classmethod
     def read(cls, path: str) -> "ControlState":
@@ -46,7 +50,8 @@ class ControlState:
         except (OSError, ValueError) as e:  # a torn write cannot happen (rename), a bad file can: ignore it
             log.warning("ignoring unreadable control file %s: %s", path, e)
             return cls()
-        return cls(paused=bool(raw.get("paused", False)), ckpt_seq=int(raw.get("ckpt_seq", 0)))
+        return cls(paused=bool(raw.get("paused", False)), ckpt_seq=int(raw.get("ckpt_seq", 0)),
+                   reform_seq=int(raw.get("reform_seq", 0)))
 
     def write(self, path: str) -> None:
         """Atomic replace, so that a worker never reads half a file."""
@@ -65,6 +70,7 @@ class WorkerControl:
         self.state = ControlState.read(path) if path else ControlState()
         # A request made before this worker started was meant for the previous group: do not replay it.
         self._ckpt_done = self.state.ckpt_seq
+        self._reform_done = self.state.reform_seq
 
     @classmethod
     def from_env(cls) -> "WorkerControl":
@@ -90,6 +96,11 @@ class WorkerControl:
     @property
     def ckpt_requested(self) -> bool:
         return self.state.ckpt_seq > self._ckpt_done
+
+    @property
+    def reform_requested(self) -> bool:
+        """The agent asked this node's workers to stop for a re-form (no need to mark it handled: they exit)."""
+        return self.state.reform_seq > self._reform_done
 
     def ckpt_handled(self) -> None:
         self._ckpt_done = max(self._ckpt_done, self.state.ckpt_seq)

@@ -35,7 +35,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.injected_faults import maybe_inject
-from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch
+from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch, config_from_env
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class StepLoop:
         self._launch_seq = 0
         self._started = False
         # Straggler timings: when this step's ranks left the last all_reduce, and this rank's first forward since.
-        self._stragglers = StragglerWatch(worker.world_size) if 1 < worker.world_size <= MAX_WORLD else None
+        self._stragglers = (StragglerWatch(worker.world_size, config_from_env())
+                            if 1 < worker.world_size <= MAX_WORLD else None)
         self._released, self._first_forward = time.monotonic(), 0.0
         self._forward_hook = None
         if self._stragglers is not None and state.model is not None:
@@ -236,8 +237,8 @@ class StepLoop:
         if stop:
             self.stopped = True
             self.stopped_by_peer = not w.stop_flag.requested
-            log.warning("stop requested%s: leaving at step %d", " by another rank" if self.stopped_by_peer else "",
-                        st.step)
+            why = " for a re-form" if w.control.reform_requested else " by another rank" if self.stopped_by_peer else ""
+            log.warning("stop requested%s: leaving at step %d", why, st.step)
         return stop
 
     def _reduce(self) -> tuple[bool, bool, bool]:
@@ -248,7 +249,9 @@ class StepLoop:
             raise ConfigError(f"Worker.report: {len(names)} names in one step ({', '.join(names)}); at most "
                               f"{MAX_METRICS}: report fewer values")
         w.control.poll()
-        flags = [float(w.stop_flag.requested), float(w.rank == 0 and w.control.ckpt_requested),
+        # A re-form the agent asked for (a straggler's replacement) stops every rank like a drain: save, exit.
+        flags = [float(w.stop_flag.requested or w.control.reform_requested),
+                 float(w.rank == 0 and w.control.ckpt_requested),
                  float(w.control.paused), float(_names_hash(names))]
         timed = _FLAGS + MAX_METRICS  # then this step's prelude and busy time of each rank (stragglers.py)
         vec = torch.zeros(timed + (2 * w.world_size if self._stragglers else 0), dtype=torch.float64, device=w.device)
@@ -285,6 +288,12 @@ class StepLoop:
             # `rank` on an event is the reporting rank's (the agent sets it): the slow one is `slow_rank`.
             fields = {"slow_rank": c.rank, "step": c.step, "lateness_s": round(c.lateness_s, 4),
                       "score": round(c.score, 3)}
+            if c.confirmed:
+                # `saves`: whether the state is saved at a stop; without, a replacement would lose the progress.
+                log.warning("rank %d is still a straggler %d steps after it was named: %.3fs late per step",
+                            c.rank, self._stragglers.config.confirm_steps if self._stragglers else 0, c.lateness_s)
+                self.worker.heartbeat.event("straggler_confirmed", **fields, saves=self.checkpointer is not None)
+                continue
             if c.slow:
                 log.warning("rank %d is a straggler: %.3fs late per step (%.0f%% of the step time) over the last "
                             "steps up to %d", c.rank, c.lateness_s, 100 * c.score, c.step)
@@ -306,7 +315,8 @@ class StepLoop:
             time.sleep(_PAUSE_POLL_S)
             w.control.poll()
             ckpt = w.rank == 0 and w.control.ckpt_requested
-            red = torch.tensor([float(w.control.paused), float(w.stop_flag.requested), float(ckpt)], device=w.device)
+            stop = w.stop_flag.requested or w.control.reform_requested
+            red = torch.tensor([float(w.control.paused), float(stop), float(ckpt)], device=w.device)
             if w.world_size > 1:
                 dist.all_reduce(red)
             paused, stop, ckpt_now = red.tolist()

@@ -13,17 +13,26 @@ A rank's lateness is ``(prelude - typical prelude) + (busy - typical busy)``, wh
 over the ranks (the faster of two; robust to a few fast outliers in a big group): about 0 for every rank in a
 healthy group, the straggler's extra time for a slow one. It is reported as a straggler once its lateness exceeds
 ``margin`` x the median step time (and ``min_lateness_s``) for ``steps`` steps in a row, and cleared once it stays
-below half that margin for as long. Pure logic: `StepLoop` feeds it and reports the changes.
+below half that margin for as long. With ``confirm_steps`` set (the agent's ``elastic.replace_stragglers``), a
+named rank that stays above the full margin for that many further steps in a row is *confirmed*, once per naming:
+the agent may then replace it. Pure logic: `StepLoop` feeds it and reports the changes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 MAX_WORLD = 1024
 """Above this many ranks the per-rank timings are not exchanged (2 floats per rank in every step's all_reduce)."""
+
+ENV_CONFIRM_STEPS = "ELASTICTRAIN_STRAGGLER_CONFIRM_STEPS"
+"""Set by the agent when it replaces stragglers (`elastic.straggler_replace_after_steps`): `confirm_steps`."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,19 @@ class StragglerConfig:
     """Consecutive slow steps before a rank is named (and fast ones before it is cleared)."""
     min_lateness_s: float = 0.02
     """Below this a rank is never slow (timer noise on very short steps)."""
+    confirm_steps: int = 0
+    """Steps in a row a named rank must stay slow before it is confirmed (0: never confirmed)."""
+
+
+def config_from_env() -> "StragglerConfig":
+    """The defaults, with `confirm_steps` from the agent's environment (0 when unset or unreadable)."""
+    raw = os.environ.get(ENV_CONFIRM_STEPS, "0")
+    try:
+        steps = max(0, int(raw))
+    except ValueError:
+        log.warning("ignoring %s=%r: not an integer; stragglers are named, never confirmed", ENV_CONFIRM_STEPS, raw)
+        steps = 0
+    return StragglerConfig(confirm_steps=steps)
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,8 @@ class Change:
     """Median lateness over the steps that decided it."""
     score: float
     """That lateness over the median step time."""
+    confirmed: bool = False
+    """A named rank stayed slow for `StragglerConfig.confirm_steps` more steps (`slow` is then True too)."""
 
 
 @dataclass
@@ -56,6 +80,8 @@ class StragglerWatch:
     slow: dict[int, Change] = field(default_factory=dict)
     """The ranks named slow now, with the change that named them."""
     _runs: dict[int, list[float]] = field(default_factory=dict)
+    _confirm_runs: dict[int, list[float]] = field(default_factory=dict)
+    """Named ranks not yet confirmed -> their lateness over the slow steps in a row since they were named."""
     _step_times: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +99,8 @@ class StragglerWatch:
             is_slow = rank in self.slow
             limit = c.margin * typical / (2 if is_slow else 1)
             flips = late < limit if is_slow else late > max(limit, c.min_lateness_s)
+            if is_slow:
+                changes += self._confirm(rank, step, late, typical)
             run = self._runs.setdefault(rank, [])
             if not flips:
                 run.clear()
@@ -85,11 +113,30 @@ class StragglerWatch:
                             score=lateness / typical if typical > 0 else 0.0)
             if change.slow:
                 self.slow[rank] = change
+                if c.confirm_steps:
+                    self._confirm_runs[rank] = []
             else:
                 self.slow.pop(rank, None)
+                self._confirm_runs.pop(rank, None)
             run.clear()
             changes.append(change)
         return changes
+
+    def _confirm(self, rank: int, step: int, late: float, typical: float) -> list[Change]:
+        """A named rank's confirmation: the full margin (not the clearing half) exceeded `confirm_steps` in a row."""
+        run = self._confirm_runs.get(rank)
+        if run is None:  # confirmation off, or this naming was confirmed already
+            return []
+        if late <= max(self.config.margin * typical, self.config.min_lateness_s):
+            run.clear()
+            return []
+        run.append(late)
+        if len(run) < self.config.confirm_steps:
+            return []
+        del self._confirm_runs[rank]
+        lateness = statistics.median(run)
+        return [Change(rank=rank, slow=True, step=step, lateness_s=lateness,
+                       score=lateness / typical if typical > 0 else 0.0, confirmed=True)]
 
 
 def _lower_quartile(values: list[float]) -> float:

@@ -47,6 +47,9 @@ def test_overrides_are_typed_and_applied():
     ("", ["train.steps"], "section.field=value"),
     ("", ["elastic.rejoin_wait_s=-1"], "rejoin_wait_s"),
     ("", ["elastic.join_grace_s=0"], "join_grace_s"),
+    ("", ["elastic.straggler_replace_after_steps=0"], "elastic.straggler_replace_after_steps"),
+    ("", ["elastic.straggler_drain_window_s=-1"], "elastic.straggler_drain_window_s"),
+    ("", ["elastic.replace_stragglers=sometimes"], "elastic.replace_stragglers"),
     ("", ["checkpoint.storage_wait_s=900"], "checkpoint.storage_wait_s"),
     # the timeout hierarchy: each pair that nests the wrong way names both settings
     ("", ["elastic.hang.floor_s=700"], "train.collective_timeout_s"),

@@ -18,7 +18,8 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
 def test_scrape_reports_step_step_time_restarts_heartbeats_and_checkpoint_age(monkeypatch):
     st = NodeStatus(node="n1", host="h", agent_pid=1, state="running", step=42, step_time_s=0.25, restarts_used=1,
                     max_restarts=3, workers=[WorkerStatus(0, 11, 42, "train", 0.4), WorkerStatus(1, 12, 41, "train",
-                                                                                                 None)])
+                                                                                                 None)],
+                    stragglers_replaced={"restart": 2})
     created = time.time() - 30
     monkeypatch.setattr("elastictrain.agent.metrics.latest_checkpoint", lambda url: (40, created, url + "/s40"))
     server = MetricsServer(AgentCollector(lambda: st, "file:///ckpt"), 0, "127.0.0.1")
@@ -34,6 +35,7 @@ def test_scrape_reports_step_step_time_restarts_heartbeats_and_checkpoint_age(mo
     assert ("elastictrain_worker_heartbeat_age_seconds", (("local_rank", "1"), ("node", "n1"))) not in got
     assert got[("elastictrain_node_up", (("node", "n1"), ("state", "running")))] == 1
     assert got[("elastictrain_checkpoint_step", n)] == 40
+    assert got[("elastictrain_stragglers_replaced_total", (("action", "restart"), ("node", "n1")))] == 2
     assert 29 <= got[("elastictrain_checkpoint_age_seconds", n)] < 60
 
 

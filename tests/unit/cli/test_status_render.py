@@ -107,3 +107,14 @@ def test_status_names_the_rank_a_hang_started_at_and_the_stragglers():
                                       "(process state 'stopped')" in text
     assert "straggler:  rank 3: 0.081s late per step (46% of the step time) since step 30" in text
     assert json.loads(json.dumps(v.to_dict()))["last_hang"]["rank"] == 1
+
+
+def test_status_says_which_straggler_a_node_replaced_and_how_often_also_after_it_left():
+    a, b = node("a", step=60), node("b", step=60)
+    b.state = "left"  # drained as a straggler: its record stays
+    b.stragglers_replaced = {"restart": 1, "drain": 1}
+    b.last_replacement = {"slow_rank": 1, "action": "drain", "step": 52, "lateness_s": 0.151, "time": NOW - 5}
+    text = render(derive("demo", [a, b], NOW))
+    assert "replaced:   rank 1 on b (drain) at step 52, 0.151s late per step; this node so far: 1 drain, " \
+           "1 restart" in text
+    assert "replaced:" not in render(derive("demo", [node("a", step=60)], NOW)), "no line without a replacement"

@@ -40,3 +40,19 @@ def test_without_an_agent_control_is_inert():
     ctl = WorkerControl(None)
     ctl.poll()
     assert not ctl.paused and not ctl.ckpt_requested
+
+
+def test_a_reform_request_is_seen_after_the_doorbell_and_one_older_than_the_worker_is_not(tmp_path, monkeypatch):
+    path = str(tmp_path / "control.json")
+    ControlState(reform_seq=2).write(path)
+    monkeypatch.setenv(ENV_CONTROL_FILE, path)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        ctl = WorkerControl.from_env()
+        assert not ctl.reform_requested, "the request that re-formed the group before this worker started"
+        ControlState(reform_seq=3).write(path)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        ctl.poll()
+        assert ctl.reform_requested and not ctl.paused and not ctl.ckpt_requested
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

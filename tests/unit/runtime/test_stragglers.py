@@ -54,3 +54,33 @@ def test_lateness_below_the_floor_is_not_a_straggler_on_very_short_steps():
     for step in range(50):  # 10 ms steps, rank 1 always 5 ms late: 50 % of the step, but timer noise
         changes += w.observe(step, [0.0, 0.005], [0.01, 0.01], 0.01)
     assert changes == []
+
+
+def test_a_named_rank_still_slow_for_the_confirm_steps_is_confirmed_once_and_a_fast_step_restarts_the_count():
+    w = StragglerWatch(4, StragglerConfig(confirm_steps=5))
+    [named] = feed(w, range(0, 20), {1: (0.08, 0.0)})
+    assert named.slow and not named.confirmed and named.step == 19
+    assert feed(w, range(20, 24), {1: (0.08, 0.0)}) == [], "not before 5 more slow steps"
+    assert feed(w, range(24, 25), {}) == [], "a fast step: the rank may be recovering"
+    assert feed(w, range(25, 29), {1: (0.08, 0.0)}) == []
+    [confirmed] = feed(w, range(29, 30), {1: (0.08, 0.0)})
+    assert (confirmed.rank, confirmed.slow, confirmed.confirmed, confirmed.step) == (1, True, True, 29)
+    assert 0.07 < confirmed.lateness_s < 0.09
+    assert feed(w, range(30, 60), {1: (0.08, 0.0)}) == [], "confirmed once per naming"
+    assert set(w.slow) == {1}
+
+
+def test_without_confirm_steps_a_straggler_is_only_named():
+    w = StragglerWatch(2)
+    assert [(c.slow, c.confirmed) for c in feed(w, range(100), {0: (0.1, 0.0)})] == [(True, False)]
+
+
+def test_confirm_steps_come_from_the_agents_environment(monkeypatch):
+    from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, config_from_env
+
+    monkeypatch.delenv(ENV_CONFIRM_STEPS, raising=False)
+    assert config_from_env().confirm_steps == 0
+    monkeypatch.setenv(ENV_CONFIRM_STEPS, "7")
+    assert config_from_env().confirm_steps == 7
+    monkeypatch.setenv(ENV_CONFIRM_STEPS, "seven")
+    assert config_from_env().confirm_steps == 0
