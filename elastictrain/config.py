@@ -121,9 +121,10 @@ class CheckpointConfig:
     """Save every N steps (0: off)."""
     every_seconds: float = 0.0
     """Save when this much wall time passed since the last save (0: off)."""
-    snapshot_every_steps: int = 0
+    snapshot_every_steps: Union[int, Literal["auto"]] = 0
     """In-memory snapshot of every rank's state every N steps, in node RAM (/dev/shm) that outlives the worker: a
-    worker restarted by our agent resumes from it without a storage read (0: off; docs/checkpoints.md)."""
+    worker restarted by our agent resumes from it without a storage read (0: off; `auto`: every step if that costs
+    training at most 5%, else the smallest interval that does, measured over the first steps; docs/checkpoints.md)."""
     snapshot_memory: Union[int, float, str, None] = None
     """The most RAM the snapshots may take on one node: bytes (an integer, or a size such as 8GiB or 500MB) or,
     as a number in (0, 1], a fraction of the node's RAM (or of its container's memory limit, when lower). None:
@@ -517,8 +518,9 @@ def torch_weight_files(path: str | Path) -> list[str]:
 
 def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> None:
     """Check the `checkpoint` section (and fill in `storage_wait_s`); raise ConfigError naming the field."""
+    snapshots = 0 if c.snapshot_every_steps == "auto" else c.snapshot_every_steps
     for name, v in {"checkpoint.every_steps": c.every_steps, "checkpoint.every_seconds": c.every_seconds,
-                    "checkpoint.keep_every": c.keep_every, "checkpoint.snapshot_every_steps": c.snapshot_every_steps,
+                    "checkpoint.keep_every": c.keep_every, "checkpoint.snapshot_every_steps": snapshots,
                     "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
         if v < 0:
             raise ConfigError(f"{name} must be >= 0 (got {v}); 0 turns it off")

@@ -197,6 +197,14 @@ class CheckpointManager:
         dist.all_gather_object(out, obj, group=self._ctl_pg)
         return out
 
+    def agree_max(self, value: int) -> int:
+        """The largest `value` over the ranks (a collective on the control group; `value` itself when alone)."""
+        if not self._distributed:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._ctl_pg)
+        return int(box.item())
+
     def _check_storage(self) -> None:
         """Fail fast on misconfigured storage; a full one is reported and training goes on.
 

@@ -31,6 +31,7 @@ from elastictrain.checkpoint.snapshot_reshard import (
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import SnapshotError, SnapshotReplicaError
 from elastictrain.runtime.heartbeat import Heartbeat
+from elastictrain.runtime.snapshot_pacing import TARGET_COST, Pace, SnapshotPacer
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class StateCheckpointer:
         self._durable_pending: Optional[int] = None
         """A durable save due at this step, to be written from its snapshot once that is committed."""
         self._hook: Optional[RemovableHandle] = None
+        self._pacer: Optional[SnapshotPacer] = None
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
@@ -110,6 +112,7 @@ class StateCheckpointer:
                               replica=int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1,
                               durable=self.mgr.saves_from_snapshots)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
+            self._pacer = SnapshotPacer(cfg.snapshot_every_steps, agree=self.mgr.agree_max)
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
             # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
             self._hook = register_optimizer_step_pre_hook(lambda *_: self._finish_snapshot())
@@ -271,8 +274,23 @@ class StateCheckpointer:
 
     def snapshot_if_due(self, final: bool) -> None:
         """Before the step's all_reduce: once a rank is past it, every rank holds this step's snapshot."""
-        if self.snapshots is not None and not final and self.state.step % self.cfg.snapshot_every_steps == 0:
-            self._snapshot(self.state.step)
+        if self._pacer is None:
+            return
+        step, every = self.state.step, self.cfg.every_steps
+        decided = self._pacer.pace
+        # Called on every rank at every step, even with snapshots turned off here: its calibration is a collective.
+        due = self._pacer.due(step, also=bool(every) and step % every == 0)
+        if decided is None and self._pacer.pace is not None:
+            self._paced(self._pacer.pace)
+        if self.snapshots is not None and not final and due:
+            self._snapshot(step)
+
+    def _paced(self, pace: Pace) -> None:
+        log.info("in-memory snapshots every %d step(s): one costs %.3f s against a %.3f s step (%.1f%% at that "
+                 "interval; target %.0f%%)", pace.interval, pace.cost_s, pace.step_s, 100 * pace.overhead,
+                 100 * TARGET_COST)
+        self._emit("checkpoint_snapshot_interval", {"interval": pace.interval, "cost_s": pace.cost_s,
+                                                    "step_s": pace.step_s, "overhead": pace.overhead})
 
     def after_step(self, *, final: bool, stopping: bool) -> None:
         step = self.state.step
