@@ -51,13 +51,35 @@ class ModelConfig:
     the seed. None: `pretrained` when `path` holds *.safetensors files, else `random`."""
 
 
+DATASET_SOURCES = ("jsonl", "parquet", "hf_disk")
+"""Sources of rows (text or chat) that a tokenizer turns into samples (docs/finetuning.md)."""
+
+
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    source: Literal["synthetic", "text", "tokens", "jsonl", "parquet", "hf_disk"] = "synthetic"
     """synthetic: a deterministic learnable token stream; text: a UTF-8 file read as bytes (vocab 256);
-    tokens: a flat binary file of token ids (`token_dtype`)."""
+    tokens: a flat binary file of token ids (`token_dtype`); jsonl / parquet / hf_disk: rows of a local JSON-lines
+    file, a Parquet file (or directory), or a `datasets` directory written by `save_to_disk`, tokenized with
+    `tokenizer` in the `format` below (docs/finetuning.md)."""
     path: Optional[str] = None
-    """File for `text` / `tokens` sources; `sample` means the corpus shipped with the package."""
+    """File for `text` / `tokens` sources (`sample` means the corpus shipped with the package); the file or
+    directory of a jsonl / parquet / hf_disk source."""
+    tokenizer: Optional[str] = None
+    """A local directory with tokenizer.json / tokenizer_config.json for the dataset sources; None: model.path."""
+    format: Literal["text", "chat"] = "chat"
+    """Dataset rows are `text` (loss on every token) or `chat` (`messages_field`, or `prompt_field` +
+    `response_field`; loss on the assistant's tokens only)."""
+    text_field: str = "text"
+    messages_field: str = "messages"
+    """A list of {"role": ..., "content": ...}; used when the rows have it, else prompt_field/response_field."""
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    split: str = "train"
+    """The split of an hf_disk directory that holds several (a DatasetDict)."""
+    packing: bool = True
+    """Dataset sources: pack several samples into each seq_len sequence (position ids restart per sample, no
+    attention across samples); false: one sample per sequence, padded."""
     token_dtype: Literal["uint8", "uint16", "uint32"] = "uint16"
     seq_len: int = 64
     global_batch_size: int = 16
@@ -476,6 +498,7 @@ def validate(cfg: JobConfig) -> None:
     if d.source == "synthetic" and d.path:
         raise ConfigError("data.path is set but data.source is 'synthetic'; set data.source to 'text' or "
                           "'tokens', or remove data.path")
+    validate_dataset(d, cfg.model)
     validate_checkpoint(c, t.collective_timeout_s)
     if t.stop_at < 0:
         raise ConfigError(f"train.stop_at must be >= 0 (got {t.stop_at}); 0 runs to train.steps")
@@ -484,6 +507,25 @@ def validate(cfg: JobConfig) -> None:
     validate_elastic(e)
     Timeouts.of(cfg).check()
     validate_model(cfg.model)
+
+
+def validate_dataset(d: DataConfig, m: ModelConfig) -> None:
+    """Check the fields of the jsonl / parquet / hf_disk sources (the files themselves are read by the workers)."""
+    if d.source not in DATASET_SOURCES:
+        if d.tokenizer is not None:
+            raise ConfigError(f"data.tokenizer is set but data.source={d.source!r} reads no text through a "
+                              f"tokenizer; set data.source to one of {', '.join(DATASET_SOURCES)}, or remove it")
+        return
+    if not d.path:
+        raise ConfigError(f"data.source={d.source!r} needs data.path (a local "
+                          f"{'directory written by save_to_disk' if d.source == 'hf_disk' else 'file'})")
+    if d.tokenizer is None and m.path is None:
+        raise ConfigError(f"data.source={d.source!r} needs a tokenizer: set data.tokenizer (or model.path) to a "
+                          f"local directory holding tokenizer.json / tokenizer_config.json")
+    fields = ("text_field",) if d.format == "text" else ("messages_field", "prompt_field", "response_field")
+    for name in fields:
+        if not getattr(d, name):
+            raise ConfigError(f"data.{name} must name a column of the dataset (got an empty string)")
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -31,8 +31,10 @@ from elastictrain.errors import ElastictrainError
 from elastictrain.logs import setup_logging
 from elastictrain.recipes.model import build_optimizer, build_sharded, init_weights
 from elastictrain.recipes.pretrained import load_pretrained
-from elastictrain.runtime.data import build_source
+from elastictrain.runtime.chat import IGNORE
+from elastictrain.runtime.data import TokenSource, build_source
 from elastictrain.runtime.exitcodes import exit_fatal
+from elastictrain.runtime.packing import PackedSampler, PackedSource
 
 log = logging.getLogger("elastictrain.recipes.lm")  # also when run as __main__
 
@@ -68,9 +70,11 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     model = build_sharded(cfg.model, w.mesh, t, w.device)
     hf_config = model.config
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps)
-    source = build_source(d, int(hf_config.vocab_size), t.seed)
-    sampler = ElasticSampler(source.num_samples, global_batch_size=d.global_batch_size,
-                             micro_batch_size=d.micro_batch_size, seed=t.seed)
+    source = build_source(d, int(hf_config.vocab_size), t.seed, cfg.model.path)
+    sampler = (PackedSampler(source.packs, global_batch_size=d.global_batch_size,
+                             micro_batch_size=d.micro_batch_size, seed=t.seed) if isinstance(source, PackedSource)
+               else ElasticSampler(source.num_samples, global_batch_size=d.global_batch_size,
+                                   micro_batch_size=d.micro_batch_size, seed=t.seed))
     state = TrainState(model=model, optim=optimizer, scheduler=scheduler, data=sampler)
     log.debug("model and data set up in %.2fs", time.monotonic() - setup_started)
 
@@ -103,15 +107,16 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             first_step = time.monotonic()
             if bar is not None:
                 bar.update(state.step)
+        # Summed token losses / the global batch's count of target tokens (the same at any world size); FSDP
+        # averages gradients over the ranks, which mb.weight undoes. `norm` is that count per micro-batch.
+        targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
+                   else d.global_batch_size * d.seq_len)
+        norm = targets * d.micro_batch_size / d.global_batch_size
         for mb in sampler.micro_batches():
             model.set_requires_gradient_sync(mb.last)
-            tokens = source.batch(mb.indices).to(w.device, non_blocking=True)
-            logits = model(input_ids=tokens[:, :-1]).logits
-            # Summed token losses / the global batch's token count; FSDP averages gradients over the ranks.
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1),
-                                   reduction="sum")
-            (loss * (mb.weight / (d.micro_batch_size * d.seq_len))).backward()
-            w.report(loss=loss.detach() * (mb.fraction / (d.micro_batch_size * d.seq_len)))
+            loss = token_loss(model, source, mb.indices, w.device)
+            (loss * (mb.weight / norm)).backward()
+            w.report(loss=loss.detach() * (mb.fraction / norm))
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
@@ -128,6 +133,22 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
         tokens_per_s=(tokens_per_step / med) if med else 0.0, step_time_s_median=med, wall_s=wall,
         stopped_early=loop.stopped, stopped_by_peer=loop.stopped_by_peer, param_digest=digests.get("model", ""),
         optim_digest=digests.get("optim", ""), resumed_from=loop.resumed_from, losses=losses)
+
+
+def token_loss(model: torch.nn.Module, source: TokenSource | PackedSource, indices: list[int],
+               device: torch.device) -> torch.Tensor:
+    """Summed next-token cross-entropy of these samples (of their response tokens, for packed chat data)."""
+    if isinstance(source, PackedSource):
+        b = source.batch(indices).to(device)
+        # No attention mask and no cache: transformers then derives a per-sample (block-diagonal) causal mask from
+        # the position ids, which restart at every sample (runtime/packing.py).
+        logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits[:, :-1]
+        targets = b.labels[:, 1:]
+    else:
+        tokens = source.batch(indices).to(device, non_blocking=True)
+        logits, targets = model(input_ids=tokens[:, :-1]).logits, tokens[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
 
 
 def write_summary(summary: RunSummary, output_dir: Path) -> None:

@@ -4,18 +4,23 @@
   deterministic, infinite in practice, and learnable (the loss falls), so runs are meaningful without data.
 - `TokenFileSource`: a flat binary file of token ids (uint8 for byte-level text, uint16/uint32 for tokenized
   corpora), memory-mapped; sample i is the window [i * seq_len, i * seq_len + seq_len + 1).
+- `PackedSource` (runtime/packing.py) for the jsonl / parquet / hf_disk sources: rows tokenized as text or chat
+  (runtime/chat.py), packed into seq_len sequences; its index i is a packed sequence, not a row.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
 
-from elastictrain.config import DataConfig
+from elastictrain.config import DATASET_SOURCES, DataConfig
 from elastictrain.errors import DataError
+from elastictrain.runtime.chat import encode_rows, load_tokenizer
+from elastictrain.runtime.packing import PackedSource, check_packed_attention, pack
+from elastictrain.runtime.rows import read_rows
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "data" / "sample_corpus.txt"
 
@@ -83,9 +88,23 @@ class TokenFileSource:
         return torch.from_numpy(rows)
 
 
-def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
+def build_source(cfg: DataConfig, vocab_size: int, seed: int,
+                 model_path: Optional[str] = None) -> Union[TokenSource, PackedSource]:
+    """The configured source; the dataset sources take their tokenizer from data.tokenizer, else `model_path`."""
+    if cfg.source in DATASET_SOURCES:
+        return build_packed_source(cfg, vocab_size, seed, model_path)
     if cfg.source == "synthetic":
         return SyntheticSource(cfg.synthetic_samples, cfg.seq_len, vocab_size, seed)
     path = SAMPLE_CORPUS if cfg.path == "sample" else Path(str(cfg.path)).expanduser()
     dtype = "uint8" if cfg.source == "text" else cfg.token_dtype
     return TokenFileSource(path, dtype, cfg.seq_len, vocab_size)
+
+
+def build_packed_source(cfg: DataConfig, vocab_size: int, seed: int, model_path: Optional[str]) -> PackedSource:
+    field = "data.tokenizer" if cfg.tokenizer is not None else "model.path"
+    tokenizer = load_tokenizer(str(cfg.tokenizer if cfg.tokenizer is not None else model_path), field)
+    samples = encode_rows(read_rows(cfg), tokenizer, cfg, vocab_size)
+    if cfg.packing:
+        check_packed_attention()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return PackedSource(samples, pack(samples, cfg.seq_len, seed, cfg.packing), int(pad or 0))

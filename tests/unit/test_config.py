@@ -40,6 +40,12 @@ def test_overrides_are_typed_and_applied():
     ("train:\n  precision: fp8\n", [], "train.precision"),
     ("checkpoint:\n  every_steps: 10\n", [], "checkpoint.url"),
     ("data:\n  source: text\n", [], "data.path"),
+    ("data:\n  source: jsonl\n", [], "data.path"),
+    ("data:\n  source: parquet\n  path: d.parquet\n", [], "data.tokenizer"),    # nor model.path
+    ("", ["data.tokenizer=/models/tok"], "data.tokenizer"),                  # the synthetic source reads no text
+    ("data:\n  source: jsonl\n  path: d.jsonl\n  tokenizer: t\n  format: text\n  text_field: ''\n", [],
+     "data.text_field"),
+    ("", ["data.format=markdown"], "data.format"),
     ("optim:\n  betas: [0.9]\n", [], "optim.betas"),
     ("train: [1, 2]\n", [], "train"),
     ("model:\n  path: /nonexistent/model\n", [], "model.path"),

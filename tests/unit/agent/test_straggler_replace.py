@@ -34,3 +34,15 @@ def test_records_round_trip():
     rec = HostRecord(restarts=[NOW], drained=[NOW + 1])
     assert HostRecord.from_json(rec.to_json()) == rec
     assert HostRecord.from_json(None) == HostRecord()
+
+
+def test_a_confirmed_straggler_of_workers_that_save_nothing_is_kept_with_the_reason():
+    from elastictrain.agent.straggler_replace import StragglerReplacer
+
+    emitted = []
+    replacer = StragglerReplacer(client=None, run_prefix="/elastictrain/r", policy=ReplacePolicy(), host="h",
+                                 node=lambda: "n0", emit=lambda kind, fields: emitted.append((kind, fields)),
+                                 reform=lambda: None, drain=lambda why: None)
+    replacer.on_event("straggler_confirmed", {"slow_rank": 1, "step": 30, "lateness_s": 0.2, "saves": False})
+    [(kind, fields)] = emitted
+    assert kind == "straggler_kept" and fields["slow_rank"] == 1 and "save no checkpoint" in fields["reason"]
