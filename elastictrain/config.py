@@ -34,6 +34,21 @@ DEFAULT_MODEL_OVERRIDES: dict[str, Any] = {
 
 
 @dataclass
+class LoraSettings:
+    """A LoRA adapter (peft's LoraConfig) on the model's `target_modules`; everything else is frozen."""
+
+    r: int = 8
+    """The adapter's rank."""
+    alpha: float = 16.0
+    """Scale: the adapter's output is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (a name's last part, as peft matches them) that get an adapter: q_proj, k_proj, v_proj,
+    o_proj, gate_proj, up_proj, down_proj for llama/qwen2; c_attn for gpt2."""
+
+
+@dataclass
 class ModelConfig:
     """Which causal LM to build: a transformers model type plus overrides, or a local config directory."""
 
@@ -49,6 +64,12 @@ class ModelConfig:
     """How a fresh start fills the weights (a resume loads its checkpoint instead): `pretrained` reads the
     safetensors weights in `path`, each rank only its own shards (docs/finetuning.md); `random` initialises from
     the seed. None: `pretrained` when `path` holds *.safetensors files, else `random`."""
+    lora: Optional[LoraSettings] = None
+    """Train a LoRA adapter instead of the weights (None: off). Checkpoints then hold only the adapter and its
+    optimizer state; the base comes from `init` on every start (docs/finetuning.md)."""
+    freeze: list[str] = field(default_factory=list)
+    """Glob patterns (fnmatch) of parameter names whose parameters are not trained, e.g. `model.embed_tokens.*`,
+    `model.layers.[0-5].*`; each must match a parameter. Checkpoints then hold only the trained ones."""
 
 
 DATASET_SOURCES = ("jsonl", "parquet", "hf_disk")
@@ -245,7 +266,6 @@ class ElasticConfig:
     """A host whose rank was restarted as a straggler within this long is drained the next time (0: never drain)."""
 
 
-
 @dataclass
 class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -268,11 +288,18 @@ class JobConfig:
     def fingerprint(self) -> dict[str, str]:
         """Hashes of the parts that a checkpoint must agree with (model and data layout), per section."""
         # model.init only says how a fresh start fills the weights: a resume never reads it (nor the weights).
-        parts = {
-            "model": {k: v for k, v in self.to_dict()["model"].items() if k != "init"},
+        # The adapter and the frozen patterns are parts of their own, readable, so that a refused resume names them.
+        parts: dict[str, Any] = {
+            "model": {k: v for k, v in self.to_dict()["model"].items() if k not in ("init", "lora", "freeze")},
             "data": {k: v for k, v in self.to_dict()["data"].items()},
             "seed": self.train.seed,
         }
+        m = self.model
+        if m.lora is not None:
+            parts["adapter"] = (f"lora r={m.lora.r} alpha={m.lora.alpha:g} dropout={m.lora.dropout:g} "
+                                f"targets={','.join(m.lora.target_modules)}")
+        if m.freeze:
+            parts["freeze"] = ",".join(m.freeze)
         return fingerprint_parts(parts)
 
 
@@ -320,6 +347,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1:  # Optional[X]: X's own error names the field (an unknown key of a section, say)
+            raise errors[0]
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -546,6 +575,28 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(f"model.path={m.path!r} holds PyTorch .bin weights but no *.safetensors; convert "
                               f"them to safetensors, or set model.init=random to train from random weights")
         m.init = "pretrained" if weights else "random"
+    validate_lora(m.lora)
+    for i, pattern in enumerate(m.freeze):
+        if not pattern.strip():
+            raise ConfigError(f"model.freeze[{i}] is empty; give a glob of parameter names such as "
+                              f"'model.embed_tokens.*', or remove it")
+
+
+def validate_lora(lora: Optional[LoraSettings]) -> None:
+    """Check `model.lora` (None: off)."""
+    if lora is None:
+        return
+    if lora.r < 1:
+        raise ConfigError(f"model.lora.r must be >= 1 (got {lora.r}); typical ranks are 8-64, or remove model.lora "
+                          f"to train the weights themselves")
+    if not lora.alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be > 0 (got {lora.alpha}); it scales the adapter by alpha / r "
+                          f"(commonly 2 x r)")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1) (got {lora.dropout})")
+    if not lora.target_modules or not all(t.strip() for t in lora.target_modules):
+        raise ConfigError(f"model.lora.target_modules must list module names (got {lora.target_modules!r}); "
+                          f"e.g. [q_proj, v_proj] for llama or qwen2")
 
 
 def safetensors_files(path: str | Path) -> list[str]:

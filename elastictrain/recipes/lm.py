@@ -29,8 +29,8 @@ from elastictrain import ElasticSampler, TrainState, Worker
 from elastictrain.config import JobConfig, load_config
 from elastictrain.errors import ElastictrainError
 from elastictrain.logs import setup_logging
-from elastictrain.recipes.model import build_optimizer, build_sharded, init_weights
-from elastictrain.recipes.pretrained import load_pretrained
+from elastictrain.recipes.adapters import adapter_metadata, has_frozen, job_fingerprint
+from elastictrain.recipes.model import build_optimizer, build_sharded, fill_weights
 from elastictrain.runtime.chat import IGNORE
 from elastictrain.runtime.data import TokenSource, build_source
 from elastictrain.runtime.exitcodes import exit_fatal
@@ -66,7 +66,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     t, d = cfg.train, cfg.data
     setup_started = time.monotonic()
     # Weights are initialised (model.init: random or pretrained) only on a fresh start (`init` below): a resume
-    # loads into the shards and never reads model.path's weights.
+    # loads into the shards and never reads model.path's weights. Unless some are frozen (model.lora, model.freeze):
+    # checkpoints then hold only the trained ones, and the frozen base is filled on every start, before a resume.
     model = build_sharded(cfg.model, w.mesh, t, w.device)
     hf_config = model.config
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps)
@@ -75,7 +76,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
                              micro_batch_size=d.micro_batch_size, seed=t.seed) if isinstance(source, PackedSource)
                else ElasticSampler(source.num_samples, global_batch_size=d.global_batch_size,
                                    micro_batch_size=d.micro_batch_size, seed=t.seed))
-    state = TrainState(model=model, optim=optimizer, scheduler=scheduler, data=sampler)
+    trainable_only = has_frozen(model)
+    state = TrainState(model=model, optim=optimizer, scheduler=scheduler, data=sampler, trainable_only=trainable_only)
     log.debug("model and data set up in %.2fs", time.monotonic() - setup_started)
 
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
@@ -93,11 +95,13 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             log.info("step %d/%d loss %.4f lr %.2e step_time %.3fs tokens/s %.0f", step, t.steps, loss,
                      scheduler.get_last_lr()[0], st, tokens_per_step / st)
 
+    if trainable_only:
+        fill_weights(model, cfg.model, t.seed)
     loop = w.steps(end, state, checkpoint=cfg.checkpoint if cfg.checkpoint.url else None,
-                   fingerprint=cfg.fingerprint(), metadata={"hf_config": hf_config.to_dict()},
+                   fingerprint=job_fingerprint(cfg, trainable_only),
+                   metadata={"hf_config": hf_config.to_dict(), **adapter_metadata(cfg.model)},
                    audit_dir=str(Path(t.output_dir) / "samples") if t.audit_samples else None, on_step=after_step,
-                   init=(lambda: load_pretrained(model, str(cfg.model.path))) if cfg.model.init == "pretrained"
-                   else (lambda: init_weights(model, cfg.model, t.seed)))
+                   init=None if trainable_only else (lambda: fill_weights(model, cfg.model, t.seed)))
     if w.is_main and t.progress and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)

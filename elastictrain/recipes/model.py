@@ -14,6 +14,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastictrain.config import ModelConfig, OptimConfig, TrainConfig
 from elastictrain.errors import ConfigError
+from elastictrain.recipes.adapters import apply_adapters, base_name, init_adapters, is_adapter
+from elastictrain.recipes.pretrained import load_pretrained
 from elastictrain.runtime.determinism import derive_seed
 
 log = logging.getLogger(__name__)
@@ -81,13 +83,14 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def build_sharded(cfg: ModelConfig, mesh: DeviceMesh, train: TrainConfig, device: torch.device) -> torch.nn.Module:
     """The model sharded over `mesh` with its parameters allocated but not initialised: a resume loads into it,
-    a fresh start calls `init_weights` or `pretrained.load_pretrained` (the step loop's `init`).
+    a fresh start calls `fill_weights` (the step loop's `init`). `model.lora` and `model.freeze` are applied here,
+    on the meta device (recipes/adapters.py).
 
     A restart used to build and initialise the whole model on every rank (2.6 s at 150M parameters here, and a
     full unsharded copy in each rank's memory) only for the load to overwrite it.
     """
     with _parameters_on_meta():
-        model = _from_config(cfg, build_config(cfg))
+        model = apply_adapters(_from_config(cfg, build_config(cfg)), cfg)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = shard_model(model, mesh, train, device)
     model.to_empty(device=device)  # the shards' memory; buffers are emptied too, so put them back
@@ -97,13 +100,27 @@ def build_sharded(cfg: ModelConfig, mesh: DeviceMesh, train: TrainConfig, device
     return model
 
 
+def fill_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Fill a `build_sharded` model as `model.init` says (pretrained weights or random from the seed), then its LoRA
+    adapter, if any; a collective (every rank calls it)."""
+    if cfg.init == "pretrained":
+        load_pretrained(model, str(cfg.path))
+    else:
+        init_weights(model, cfg, seed)
+    if cfg.lora is not None:
+        init_adapters(model, seed)
+
+
 def init_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Fill a `build_sharded` model with the weights `build_model(cfg, seed)` has: the same at any world size (each
-    rank builds the full model on the CPU and keeps its own shards)."""
+    rank builds the full model on the CPU and keeps its own shards). A LoRA adapter's weights are left as they are
+    (`init_adapters`); the layers it wraps get the weights they have without it."""
     full = dict(build_model(cfg, seed).named_parameters())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            value = full[name].to(param.device)
+            if is_adapter(name):
+                continue
+            value = full[base_name(name)].to(param.device)
             if isinstance(param, DTensor):  # this rank's slice, cut locally (torch's set_model_state_dict: 2.7x slower)
                 value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 param = param.to_local()
@@ -145,9 +162,11 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh, train: TrainConfig, de
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
-    # No weight decay on biases and norms (1-D parameters), as usual for transformers.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    # No weight decay on biases and norms (1-D parameters), as usual for transformers. Frozen parameters (model.lora,
+    # model.freeze) get no optimizer state at all.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)

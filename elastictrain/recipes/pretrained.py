@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from elastictrain.config import safetensors_files, torch_weight_files
 from elastictrain.errors import ConfigError
+from elastictrain.recipes.adapters import base_name, is_adapter
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,15 @@ def _candidates(name: str, prefix: str) -> list[str]:
 
 def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The tensors a pretrained load fills (parameters once each, persistent buffers) and the names tied to an
-    earlier parameter. Non-persistent buffers (rotary tables) are in no weights file and stay as built."""
+    earlier parameter. Non-persistent buffers (rotary tables) are in no weights file and stay as built. A LoRA
+    adapter's weights are not read (recipes/adapters.py fills them); the layers it wraps are, by their own names."""
     tensors: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
     tied: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
+        if is_adapter(name):
+            continue
+        name = base_name(name)
         if id(p) in first:
             tied.add(name)
         else:
@@ -88,7 +93,7 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[
     for module_name, module in model.named_modules():
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
-                tensors[f"{module_name}.{name}" if module_name else name] = b
+                tensors[base_name(f"{module_name}.{name}" if module_name else name)] = b
     return tensors, tied
 
 

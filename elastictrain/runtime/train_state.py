@@ -3,7 +3,8 @@
 `TrainState` (public API) gathers them. Keys: `model` and `optim` (sharded, reshardable, FQN-keyed through
 torch's state_dict helpers), each user extra under its own name (a scheduler, the `ElasticSampler`, any
 `Stateful`), `trainer` (step, world size), and `rng/rank{r}` (this rank's RNG states; absent at another world
-size, where RNG is re-derived from (seed, step, rank) instead).
+size, where RNG is re-derived from (seed, step, rank) instead). With `trainable_only`, `model` holds only the
+parameters that require a gradient (and the buffers): a frozen base (LoRA, frozen layers) is not saved.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -25,20 +27,44 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastictrain.checkpoint.snapshot import storage_key
-from elastictrain.errors import ConfigError
+from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.runtime.determinism import capture_rng_state, restore_rng_state
 from elastictrain.runtime.sampler import ElasticSampler
 
 
 class ModelState(Stateful):
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    """`trainable_only`: the parameters with requires_grad (and the buffers) only; a load leaves the frozen ones
+    as they are, so the caller fills them (from pretrained weights, say) on every start."""
+
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
+        self.model, self.trainable_only = model, trainable_only
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        if not self.trainable_only:
+            return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
+        # torch drops each frozen parameter under one of its names only: a tied one (lm_head.weight, the
+        # embeddings' tensor) would stay.
+        frozen = frozen_names(self.model)
+        return {k: v for k, v in state.items() if k not in frozen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        if not self.trainable_only:
+            set_model_state_dict(self.model, state_dict)
+            return
+        result = set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=False))
+        frozen = frozen_names(self.model)
+        missing = [k for k in result.missing_keys if k not in frozen]
+        if missing or result.unexpected_keys:
+            raise CheckpointMismatchError(f"the checkpoint's trainable parameters do not fit the model: missing "
+                                          f"{missing[:8]}, unexpected {list(result.unexpected_keys)[:8]}; resume "
+                                          f"with the model.lora / model.freeze settings it was written with")
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names (FQNs) of the parameters without requires_grad, every name of a tied one included."""
+    return {fqn for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+            for fqn in _get_fqns(model, name)}
 
 
 class OptimizerState(Stateful):
@@ -79,8 +105,8 @@ class ReusedModelState(ModelState):
     parameter's name on each call (25 ms for a two-layer model, more with more parameters), which an every-step
     snapshot would otherwise pay every step. Only for reading: a load goes through a fresh `ModelState`."""
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
+        super().__init__(model, trainable_only)
         self._cached: Optional[dict[str, Any]] = None
         self._signature: tuple = ()
 
@@ -144,10 +170,15 @@ class TrainState:
     `model` and `optim` go through torch's distributed state-dict helpers (sharded FSDP2/DTensor state,
     loadable at another world size); each extra (anything with `state_dict()`/`load_state_dict()`) is saved under
     its keyword. `step` is the number of optimizer steps done; the step loop keeps it.
+
+    `trainable_only=True`: checkpoints hold only the model's parameters that require a gradient (and their
+    optimizer state, which is all an optimizer over them has): for LoRA or frozen layers, where the frozen part
+    is the same on every start. Fill the frozen parameters yourself before the step loop, on every start (a resume
+    loads only the trained ones over them), and put what identifies them into the loop's `fingerprint`.
     """
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, optim: Optional[torch.optim.Optimizer] = None,
-                 **extras: Any):
+    def __init__(self, model: Optional[torch.nn.Module] = None, optim: Optional[torch.optim.Optimizer] = None, *,
+                 trainable_only: bool = False, **extras: Any):
         if optim is not None and model is None:
             raise ConfigError("TrainState(optim=...) needs model=... too: optimizer state is saved by parameter name")
         for name, value in extras.items():
@@ -158,6 +189,7 @@ class TrainState:
                 raise ConfigError(f"TrainState: {name}={type(value).__name__} has no state_dict()/load_state_dict(); "
                                 f"give it those two methods (torch's Stateful protocol) or leave it out")
         self.model, self.optim, self.extras = model, optim, dict(extras)
+        self.trainable_only = trainable_only
         self.step = 0
         self._reused: dict[str, Stateful] = {}
 
@@ -182,8 +214,8 @@ class TrainState:
         """
         out: dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = self._reused.setdefault("model", ReusedModelState(self.model)) if reuse \
-                else ModelState(self.model)
+            out["model"] = self._reused.setdefault("model", ReusedModelState(self.model, self.trainable_only)) \
+                if reuse else ModelState(self.model, self.trainable_only)
         if self.optim is not None:
             assert self.model is not None
             out["optim"] = self._reused.setdefault("optim", ReusedOptimizerState(self.model, self.optim)) if reuse \
