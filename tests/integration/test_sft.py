@@ -1,8 +1,12 @@
-"""Supervised fine-tuning on packed chat data under real torchrun: resumes bitwise at the same world size and
-consume every sample exactly once across world sizes (2 -> 1 -> 3), as the sample ledger shows."""
+"""Supervised fine-tuning on packed chat data under real torchrun: a worker killed mid-run resumes bitwise at the
+same world size, and a run resized 2 -> 1 -> 3 consumes every row exactly once, as the sample ledger shows."""
 
+import json
 import math
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,13 @@ from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.cursor import GlobalOrder
 from elastictrain.runtime.data import build_source
 from tests.fixtures.sft import VOCAB, chat_rows, make_tokenizer, write_parquet
-from tests.integration.recipe_runs import assert_same_train_state, run_recipe
+from tests.integration.recipe_runs import (
+    assert_same_train_state,
+    ledger_max_step,
+    run_recipe,
+    start_recipe,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -68,12 +78,21 @@ def test_an_uninterrupted_run_trains_on_each_row_once_in_packed_sequences(data, 
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], "the response loss falls"
 
 
-def test_a_resume_at_the_same_world_size_is_bitwise_identical(data, reference, tmp_path):
+def test_a_worker_killed_mid_run_resumes_bitwise_identical(data, reference, tmp_path):
     out = tmp_path / "run"
-    first = run_recipe(out, 2, [*overrides(data, out), "train.stop_at=3"])
-    assert first["final_step"] == 3
-    resumed = run_recipe(out, 2, overrides(data, out))
-    assert resumed["start_step"] == 3
+    proc = start_recipe(out, 2, overrides(data, out), extra_torchrun=["--max-restarts=1"])
+    try:
+        deadline = time.monotonic() + 180
+        while ledger_max_step(out) < 3:  # steps 0-3 done, the checkpoint of step 2 committed
+            assert proc.poll() is None and time.monotonic() < deadline, (out / "launcher.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, (out / "launcher.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["start_step"] > 0, "the restarted workers resume from a checkpoint"
     assert_same_train_state(resumed, reference)
     assert committed_timeline(out / "samples") == reference["timeline"]
 
