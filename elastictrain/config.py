@@ -110,6 +110,20 @@ class DataConfig:
     synthetic_samples: int = 1_000_000
     """Length of one epoch of the synthetic source."""
 
+    def fingerprint_part(self) -> dict[str, Any]:
+        """The fields a checkpoint must agree with; the dataset sources' fields only for those sources, so that
+        checkpoints of the other sources written before those fields existed still resume."""
+        part = dataclasses.asdict(self)
+        if self.source not in DATASET_SOURCES:
+            for name in DATASET_FIELDS:
+                del part[name]
+        return part
+
+
+DATASET_FIELDS = ("tokenizer", "format", "text_field", "messages_field", "prompt_field", "response_field", "split",
+                  "packing")
+"""DataConfig fields that only the dataset sources read."""
+
 
 @dataclass
 class OptimConfig:
@@ -291,7 +305,7 @@ class JobConfig:
         # The adapter and the frozen patterns are parts of their own, readable, so that a refused resume names them.
         parts: dict[str, Any] = {
             "model": {k: v for k, v in self.to_dict()["model"].items() if k not in ("init", "lora", "freeze")},
-            "data": {k: v for k, v in self.to_dict()["data"].items()},
+            "data": self.data.fingerprint_part(),
             "seed": self.train.seed,
         }
         m = self.model

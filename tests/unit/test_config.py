@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.config import JobConfig, load_config
+from elastictrain.config import JobConfig, fingerprint_parts, load_config
 from elastictrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,3 +121,15 @@ def test_a_script_reads_only_the_elastic_section(tmp_path):
     assert load_elastic(cfg, ["elastic.max_restarts=9"]).max_restarts == 9
     with pytest.raises(ConfigError, match="elastic.hang.floor_s must be >= 0"):
         load_elastic(cfg, ["elastic.hang.floor_s=-1"])
+
+
+def test_the_data_fingerprint_of_the_older_sources_ignores_the_dataset_fields():
+    # the data section as it was before the jsonl/parquet/hf_disk fields: its checkpoints must still resume
+    old = {"source": "text", "path": "sample", "token_dtype": "uint16", "seq_len": 64, "global_batch_size": 16,
+           "micro_batch_size": 4, "synthetic_samples": 1_000_000}
+    cfg = load_config(None, ["data.source=text", "data.path=sample"])
+    assert cfg.fingerprint()["data"] == fingerprint_parts({"data": old})["data"]
+    packed = load_config(None, ["data.source=jsonl", "data.path=d.jsonl", "data.tokenizer=tok"])
+    assert packed.fingerprint()["data"] != load_config(None, ["data.source=jsonl", "data.path=d.jsonl",
+                                                               "data.tokenizer=tok", "data.packing=false"]
+                                                       ).fingerprint()["data"]
