@@ -6,6 +6,8 @@ import math
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,10 +19,12 @@ from elastictrain.runtime.cursor import GlobalOrder
 from elastictrain.runtime.data import build_source
 from tests.fixtures.sft import VOCAB, chat_rows, make_tokenizer, write_parquet
 from tests.integration.recipe_runs import (
+    REPO,
     assert_same_train_state,
     ledger_max_step,
     run_recipe,
     start_recipe,
+    worker_env,
     worker_pids,
 )
 
@@ -106,3 +110,18 @@ def test_a_resume_across_world_sizes_2_1_3_consumes_every_row_exactly_once(data,
     assert committed_timeline(out / "samples") == reference["timeline"]
     for step, loss in last["losses"].items():
         assert math.isclose(loss, reference["losses"][step], rel_tol=1e-3), (step, loss, reference["losses"][step])
+
+
+def test_a_missing_dataset_file_ends_the_job_with_one_line_and_no_restart(data, tmp_path):
+    missing = tmp_path / "gone.jsonl"
+    sets = ["data.source=jsonl", f"data.path={missing}", f"data.tokenizer={data['cfg'].tokenizer}",
+            f"model.overrides.vocab_size={VOCAB}", f"train.output_dir={tmp_path}/out", "checkpoint.url=null",
+            "checkpoint.every_steps=0"]
+    cmd = [sys.executable, "-m", "elastictrain.recipes.lm", "--config", str(REPO / "configs/tiny-cpu.yaml")]
+    r = subprocess.run(cmd + [a for o in sets for a in ("--set", o)], cwd=REPO, env=worker_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]  # EXIT_FATAL: restarting cannot fix it
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(f"data.path='{missing}' does not exist; point data.path at a local "
+                                                   f"JSON-lines file"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
