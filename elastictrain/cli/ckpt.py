@@ -394,7 +394,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     # Imported here: torch and transformers cost seconds, and ls/verify/prune need neither.
     import torch
 
-    from elastictrain.checkpoint import export as ckpt_export
+    from elastictrain.checkpoint.export_peft import export_checkpoint
 
     storage = open_root(args.url, args.storage_option)
     checkpoints = load_checkpoints(storage)
@@ -415,7 +415,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             raise CheckpointError(f"checkpoint {info.url} is corrupt: {'; '.join(problems)}; export another step "
                                   f"or pass --no-verify")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    written = _guarded(storage, "read", lambda: ckpt_export.export_hf(storage, info, args.out, dtype=dtype))
+    written = _guarded(storage, "read", lambda: export_checkpoint(storage, info, args.out, merged=args.merged,
+                                                                  base=args.base, dtype=dtype))
     _out(f"exported step {info.step} from {info.url} to {args.out}\n")
     for path in written:
         _out(f"  {path}\n")
@@ -476,12 +477,23 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     pr.set_defaults(func=_cmd_prune)
 
     ex = csub.add_parser("export", help="write a consolidated Hugging Face checkpoint (model.safetensors + "
-                                        "config.json)")
+                                        "config.json), or a LoRA adapter in PEFT's format",
+                         description="A full checkpoint becomes a transformers directory. A LoRA checkpoint "
+                                     "(model.lora) becomes a PEFT adapter directory (adapter_config.json + "
+                                     "adapter_model.safetensors, for PeftModel.from_pretrained), or with --merged "
+                                     "the base with the adapter merged in. A model.freeze checkpoint needs "
+                                     "--merged: it holds only the trained tensors.")
     _common(ex)
     ex.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     ex.add_argument("--step", type=int, default=None, help="step to export (default: newest valid)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="cast floating-point weights (default: as saved)")
     ex.add_argument("--no-verify", action="store_true", help="skip the checksum verification before export")
+    ex.add_argument("--merged", action="store_true",
+                    help="LoRA / frozen-layer checkpoints: write the complete model, the trained tensors merged into "
+                         "the pretrained base")
+    ex.add_argument("--base", default=None, metavar="DIR",
+                    help="with --merged: the pretrained base directory (default: the model.path the job read; it "
+                         "must hold the same weights)")
     ex.set_defaults(func=_cmd_export)
     return csub

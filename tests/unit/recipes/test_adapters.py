@@ -19,7 +19,7 @@ from elastictrain.checkpoint.base_weights import base_fingerprint
 from elastictrain.checkpoint.snapshot import SnapshotStore
 from elastictrain.config import JobConfig, LoraSettings, ModelConfig, TrainConfig, validate_model
 from elastictrain.errors import CheckpointMismatchError, ConfigError
-from elastictrain.recipes.adapters import job_fingerprint
+from elastictrain.recipes.adapters import adapter_metadata, job_fingerprint
 from elastictrain.recipes.model import build_optimizer, build_sharded, fill_weights
 from elastictrain.runtime.train_state import param_digest
 
@@ -76,7 +76,8 @@ def _run(cfg: JobConfig, ckpt: Path, steps: int, trained: Optional[list[str]] = 
         if trained is not None:
             trained += [n for n, p in model.named_parameters() if p.requires_grad]
         for step in w.steps(steps, state, checkpoint=str(ckpt), every_steps=steps, async_save=False,
-                            fingerprint=job_fingerprint(cfg, trainable_only=True)):
+                            fingerprint=job_fingerprint(cfg, trainable_only=True),
+                            metadata={"hf_config": model.config.to_dict(), **adapter_metadata(cfg.model)}):
             _train(model, optim, step)
         return param_digest(model)
 
@@ -181,3 +182,37 @@ def test_freeze_and_target_modules_that_match_nothing_are_config_errors_naming_t
                                               r"model \(down_proj, gate_proj, k_proj, lm_head, o_proj"):
             build_sharded(_job(bases["a"], lora=LoraSettings(target_modules=["c_attn"])).model, w.mesh,
                           TrainConfig(precision="fp32"), w.device)
+
+
+def test_a_frozen_layer_checkpoint_exports_only_merged_over_the_base_it_was_trained_on(bases, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from elastictrain.checkpoint.discovery import find_latest_valid
+    from elastictrain.checkpoint.export_peft import export_checkpoint
+    from elastictrain.checkpoint.storage import open_storage
+    from elastictrain.errors import CheckpointError
+
+    digest = _run(_job(bases["a"], adapter=False, freeze=("model.embed_tokens.*", "model.layers.0.*")),
+                  tmp_path / "ck", 2)
+    storage = open_storage(str(tmp_path / "ck"))
+    info = find_latest_valid(storage, verify=True)
+    with pytest.raises(CheckpointError, match="holds only the trained tensors .* pass --merged"):
+        export_checkpoint(storage, info, str(tmp_path / "out"))
+    with pytest.raises(CheckpointError, match=f"the base model at '{bases['b']}' is not the one checkpoint .* was "
+                                              f"trained on .*; pass --base DIR with that model"):
+        export_checkpoint(storage, info, str(tmp_path / "out"), merged=True, base=str(bases["b"]))
+    export_checkpoint(storage, info, str(tmp_path / "out"), merged=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert _plain_digest(merged) == digest, "the base's frozen tensors and the trained ones, bitwise"
+
+
+def _plain_digest(model: torch.nn.Module) -> str:
+    """`param_digest` of an unsharded model (sorted names, then raw bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,130 @@
+"""LoRA fine-tuning of a pretrained model by the recipe on 2 real ranks (torchrun, gloo): the checkpoint holds the
+adapter only (a small fraction of a full one), a stopped run resumes bitwise, and `elastictrain ckpt export` writes
+an adapter that peft loads onto the base, and a merged model that transformers loads, both giving the trained
+model's logits.
+
+The trained model is rebuilt here from the base and the checkpoint's adapter tensors, the way the recipe holds it
+(peft's layers injected into the transformers model); its parameters' digest equals the one the run reported, so
+its logits are the trained model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.recipe_runs import REPO, assert_same_train_state, run_recipe, worker_env
+
+pytestmark = pytest.mark.slow
+
+# Large enough for the base to dominate a full checkpoint (~0.35M parameters), small enough for a CPU.
+SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("lora") / "base"
+    AutoModelForCausalLM.from_config(LlamaConfig(**SIZES, tie_word_embeddings=True)).save_pretrained(
+        path, safe_serialization=True)
+    return path
+
+
+def _overrides(base: Path, ckpt: Path, lora: bool = True) -> list[str]:
+    return ["model.overrides={}", f"model.path={base}", "model.init=pretrained", f"train.steps={STEPS}",
+            f"checkpoint.url={ckpt}", "checkpoint.every_steps=2", "checkpoint.keep_last=10", "optim.lr=0.02",
+            *(["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]"] if lora else [])]
+
+
+def _bytes(step_dir: Path) -> int:
+    return sum(f.stat().st_size for f in step_dir.iterdir())
+
+
+def _step(ckpt: Path, step: int) -> Path:
+    return ckpt / f"step-{step:08d}"
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "elastictrain.cli.main", *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**worker_env(), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def _trained_model(base: Path, ckpt_step: Path) -> torch.nn.Module:
+    """The recipe's model after training, on one CPU: the base, peft's layers injected, the saved adapter loaded."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    from elastictrain.checkpoint.discovery import list_checkpoints
+    from elastictrain.checkpoint.export import load_model_state
+    from elastictrain.checkpoint.storage import open_storage
+
+    storage = open_storage(str(ckpt_step.parent))
+    info = next(c for c in list_checkpoints(storage) if c.url.endswith(ckpt_step.name))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), model)
+    adapter = load_model_state(storage, info)
+    result = model.load_state_dict(adapter, strict=False)
+    assert not result.unexpected_keys and len(adapter) == 8
+    return model.eval()
+
+
+def _digest(model: torch.nn.Module) -> str:
+    """`TrainState.digest`'s parameter hash (runtime/train_state.py: sorted names, then raw bytes)."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged(base, tmp_path):
+    straight = run_recipe(tmp_path / "straight", 2, _overrides(base, tmp_path / "straight_ckpt"))
+    assert straight["final_step"] == STEPS
+
+    # Stopped after step 3 (saved on the way out), resumed at the same world size: bitwise the same run.
+    split = _overrides(base, tmp_path / "split_ckpt")
+    first = run_recipe(tmp_path / "split", 2, [*split, "train.stop_at=3"])
+    assert first["final_step"] == 3
+    resumed = run_recipe(tmp_path / "split", 2, split)
+    assert resumed["start_step"] == 3 and resumed["resumed_from"]
+    assert_same_train_state(resumed, straight)
+
+    # Full fine-tuning of the same model for comparison: the adapter's checkpoint is a small fraction of it.
+    run_recipe(tmp_path / "full", 2, [*_overrides(base, tmp_path / "full_ckpt", lora=False), "train.stop_at=2"])
+    lora_bytes, full_bytes = _bytes(_step(tmp_path / "straight_ckpt", 2)), _bytes(_step(tmp_path / "full_ckpt", 2))
+    assert lora_bytes < 0.1 * full_bytes, f"LoRA checkpoint {lora_bytes} B vs full {full_bytes} B"
+
+    trained = _trained_model(base, _step(tmp_path / "straight_ckpt", STEPS))
+    assert _digest(trained) == straight["param_digest"], "the rebuilt model is the trained one, bitwise"
+    _cli("ckpt", "export", str(tmp_path / "straight_ckpt"), "--out", str(tmp_path / "adapter"))
+    _cli("ckpt", "export", str(tmp_path / "straight_ckpt"), "--out", str(tmp_path / "merged"), "--merged")
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, SIZES["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = trained(input_ids=tokens).logits
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                tmp_path / "adapter").eval()(input_ids=tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+        merged_logits = merged(input_ids=tokens).logits
+        base_logits = plain(input_ids=tokens).logits
+    assert (want - base_logits).abs().max() > 1e-3, "the adapter changed the model (else the comparison is empty)"
+    torch.testing.assert_close(peft_logits, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged_logits, want, rtol=1e-4, atol=1e-4)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
