@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "durable_blocking.json"))
+    ap.add_argument("--note", default="", help="free text kept in the JSON (what else ran, where the code came from)")
     args = ap.parse_args()
     results = []
     for size in args.sizes.split(","):
@@ -137,7 +138,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
     out = {"benchmark": "durable_blocking", "torch": torch.__version__, "commit": commit.strip(),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
-           "saves": args.saves, "every": args.every, "sizes": SIZES, "results": results}
+           "note": args.note, "saves": args.saves, "every": args.every, "sizes": SIZES, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
