@@ -11,14 +11,18 @@ its logits are the trained model's.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.recipe_runs import REPO, assert_same_train_state, run_recipe, worker_env
+from tests.integration.recipe_runs import FAST, REPO, assert_same_train_state, ledger_max_step, run_recipe, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +93,17 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged(base, tmp_path):
-    straight = run_recipe(tmp_path / "straight", 2, _overrides(base, tmp_path / "straight_ckpt"))
-    assert straight["final_step"] == STEPS
+@pytest.fixture(scope="module")
+def straight(base, tmp_path_factory) -> tuple[dict, Path]:
+    """An uninterrupted LoRA run: its summary and its checkpoint root."""
+    out = tmp_path_factory.mktemp("straight")
+    summary = run_recipe(out, 2, _overrides(base, out / "ckpt"))
+    assert summary["final_step"] == STEPS
+    return summary, out / "ckpt"
+
+
+def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged(base, straight, tmp_path):
+    straight, straight_ckpt = straight
 
     # Stopped after step 3 (saved on the way out), resumed at the same world size: bitwise the same run.
     split = _overrides(base, tmp_path / "split_ckpt")
@@ -103,13 +115,13 @@ def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged
 
     # Full fine-tuning of the same model for comparison: the adapter's checkpoint is a small fraction of it.
     run_recipe(tmp_path / "full", 2, [*_overrides(base, tmp_path / "full_ckpt", lora=False), "train.stop_at=2"])
-    lora_bytes, full_bytes = _bytes(_step(tmp_path / "straight_ckpt", 2)), _bytes(_step(tmp_path / "full_ckpt", 2))
+    lora_bytes, full_bytes = _bytes(_step(straight_ckpt, 2)), _bytes(_step(tmp_path / "full_ckpt", 2))
     assert lora_bytes < 0.1 * full_bytes, f"LoRA checkpoint {lora_bytes} B vs full {full_bytes} B"
 
-    trained = _trained_model(base, _step(tmp_path / "straight_ckpt", STEPS))
+    trained = _trained_model(base, _step(straight_ckpt, STEPS))
     assert _digest(trained) == straight["param_digest"], "the rebuilt model is the trained one, bitwise"
-    _cli("ckpt", "export", str(tmp_path / "straight_ckpt"), "--out", str(tmp_path / "adapter"))
-    _cli("ckpt", "export", str(tmp_path / "straight_ckpt"), "--out", str(tmp_path / "merged"), "--merged")
+    _cli("ckpt", "export", str(straight_ckpt), "--out", str(tmp_path / "adapter"))
+    _cli("ckpt", "export", str(straight_ckpt), "--out", str(tmp_path / "merged"), "--merged")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
 
     from peft import PeftModel
@@ -128,3 +140,35 @@ def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged
     torch.testing.assert_close(peft_logits, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged_logits, want, rtol=1e-4, atol=1e-4)
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def test_a_lora_worker_killed_under_the_agent_resumes_from_its_in_memory_snapshot_bitwise(base, straight, etcd,
+                                                                                           run_id, tmp_path):
+    """Snapshots hold the adapter only too; the restarted workers fill the base from model.path, then the
+    snapshot's adapter and optimizer state over it, and end equal to the uninterrupted run."""
+    from elastictrain.chaos.process_signals import signal_worker
+
+    out = tmp_path / "run"
+    overrides = [*FAST, *_overrides(base, out / "ckpt"), f"train.output_dir={out}", "checkpoint.every_steps=4",
+                 "checkpoint.snapshot_every_steps=1", "train.audit_samples=true"]
+    cmd = [sys.executable, "-m", "elastictrain.cli.main", "run", "--config", str(REPO / "configs/tiny-cpu.yaml"),
+           *(x for o in overrides for x in ("--set", o)), "--nproc-per-node", "2", "--max-restarts", "2",
+           "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id]
+    out.mkdir()
+    with open(out / "agent.log", "w") as log:
+        # Steps from 3 on take 0.3 s more, so that the kill lands between snapshots of a step past the first save.
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**worker_env(), "ELASTICTRAIN_CHAOS": "slow@ms=300,step=3"},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while ledger_max_step(out) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, (out / "agent.log").read_text()[-3000:]
+            time.sleep(0.05)
+        signal_worker(proc.pid, signal.SIGKILL, rank=1)
+        assert proc.wait(timeout=240) == 0, (out / "agent.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"].startswith("snapshot:") and summary["start_step"] >= 5, summary["resumed_from"]
+    assert_same_train_state(summary, straight[0])
