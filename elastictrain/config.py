@@ -271,6 +271,10 @@ class ElasticConfig:
     does not wait for Python, torch and the model code to import."""
     prewarm: list[str] = field(default_factory=list)
     """Modules a spare imports before it waits (`--prewarm a,b`); a user's script's spares also import torch."""
+    straggler_margin: float = 0.2
+    """A rank later than this fraction of the median step time (and 20 ms) is slow (docs/agent.md, Stragglers)."""
+    straggler_steps: int = 20
+    """Slow steps in a row before a rank is named a straggler (and steps below half the margin before it is cleared)."""
     replace_stragglers: bool = False
     """Act on a straggler still slow `straggler_replace_after_steps` steps after it was named: restart the group's
     workers at a step boundary (state saved), or drain its node when that host straggled again (docs/agent.md)."""
@@ -752,6 +756,12 @@ def validate_elastic(e: ElasticConfig) -> None:
                           f"elastic.restart_backoff_max_s={e.restart_backoff_max_s:g}")
     if not 0 <= e.restart_backoff_jitter < 1:
         raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
+    if not 0 < e.straggler_margin <= 10:
+        raise ConfigError(f"elastic.straggler_margin must be in (0, 10] (got {e.straggler_margin:g}): the lateness, "
+                          f"as a fraction of the median step time, that makes a rank slow; 0.2 is 20%")
+    if e.straggler_steps < 1:
+        raise ConfigError(f"elastic.straggler_steps must be >= 1 (got {e.straggler_steps}): the slow steps in a "
+                          f"row before a rank is named a straggler")
     if e.straggler_replace_after_steps < 1:
         raise ConfigError(f"elastic.straggler_replace_after_steps must be >= 1 (got "
                           f"{e.straggler_replace_after_steps}); to never replace stragglers set "

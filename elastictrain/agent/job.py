@@ -51,7 +51,7 @@ from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
-from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS
+from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,10 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
 def _straggler_replacer(elastic: ElasticConfig, client: EtcdClient, run_prefix: str, min_nodes: int,
                         relay: ControlRelay, node: Callable[[], Optional[str]],
                         emit: Callable[[str, dict[str, Any]], None]) -> Optional[StragglerReplacer]:
-    """With `elastic.replace_stragglers`: the workers confirm stragglers (environment), this agent replaces them."""
+    """With `elastic.replace_stragglers`: the workers confirm stragglers (environment), this agent replaces them.
+    The workers' straggler rule (margin, steps) comes from the environment too, replaced or not."""
+    os.environ[ENV_MARGIN] = repr(elastic.straggler_margin)
+    os.environ[ENV_STEPS] = str(elastic.straggler_steps)
     if not elastic.replace_stragglers:
         return None
     os.environ[ENV_CONFIRM_STEPS] = str(elastic.straggler_replace_after_steps)

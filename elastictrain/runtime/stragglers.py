@@ -25,6 +25,7 @@ import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ MAX_WORLD = 1024
 
 ENV_CONFIRM_STEPS = "ELASTICTRAIN_STRAGGLER_CONFIRM_STEPS"
 """Set by the agent when it replaces stragglers (`elastic.straggler_replace_after_steps`): `confirm_steps`."""
+ENV_MARGIN = "ELASTICTRAIN_STRAGGLER_MARGIN"
+"""Set by the agent: `elastic.straggler_margin`."""
+ENV_STEPS = "ELASTICTRAIN_STRAGGLER_STEPS"
+"""Set by the agent: `elastic.straggler_steps`."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +52,26 @@ class StragglerConfig:
     """Steps in a row a named rank must stay slow before it is confirmed (0: never confirmed)."""
 
 
-def config_from_env() -> "StragglerConfig":
-    """The defaults, with `confirm_steps` from the agent's environment (0 when unset or unreadable)."""
-    raw = os.environ.get(ENV_CONFIRM_STEPS, "0")
+def _env_number(name: str, kind: type, default: Any, low: float) -> Any:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
     try:
-        steps = max(0, int(raw))
+        value = kind(raw)
     except ValueError:
-        log.warning("ignoring %s=%r: not an integer; stragglers are named, never confirmed", ENV_CONFIRM_STEPS, raw)
-        steps = 0
-    return StragglerConfig(confirm_steps=steps)
+        value = None
+    if value is None or value < low:
+        log.warning("ignoring %s=%r: not a number >= %g; using %s", name, raw, low, default)
+        return default
+    return value
+
+
+def config_from_env() -> "StragglerConfig":
+    """The defaults, with what the agent set in the environment (its `elastic.straggler_*` settings)."""
+    d = StragglerConfig()
+    return StragglerConfig(margin=_env_number(ENV_MARGIN, float, d.margin, 1e-9),
+                           steps=_env_number(ENV_STEPS, int, d.steps, 1),
+                           confirm_steps=_env_number(ENV_CONFIRM_STEPS, int, 0, 0))
 
 
 @dataclass(frozen=True)

@@ -84,3 +84,40 @@ def test_confirm_steps_come_from_the_agents_environment(monkeypatch):
     assert config_from_env().confirm_steps == 7
     monkeypatch.setenv(ENV_CONFIRM_STEPS, "seven")
     assert config_from_env().confirm_steps == 0
+
+
+def test_the_margin_and_the_steps_come_from_the_agents_settings(monkeypatch):
+    """elastic.straggler_margin / straggler_steps: a rank 30% late is named at the default 20% margin, not at 50%;
+    with 5 steps it is named after 5."""
+    from elastictrain.agent.job import _straggler_replacer
+    from elastictrain.config import ElasticConfig
+    from elastictrain.runtime.stragglers import ENV_MARGIN, ENV_STEPS, config_from_env
+
+    for name in (ENV_MARGIN, ENV_STEPS):
+        monkeypatch.delenv(name, raising=False)
+    assert (config_from_env().margin, config_from_env().steps) == (0.2, 20)
+    late = {1: (0.09, 0.0)}  # 0.09 s on a 0.3 s median step
+    assert [c.rank for c in feed(StragglerWatch(3, config_from_env()), range(40), late)] == [1]
+    # What the agent does with its settings (replace_stragglers off: only the rule is passed on).
+    assert _straggler_replacer(ElasticConfig(straggler_margin=0.5, straggler_steps=5), None, "", 1, None,
+                               lambda: None, lambda *_: None) is None
+    assert (config_from_env().margin, config_from_env().steps) == (0.5, 5)
+    assert feed(StragglerWatch(3, config_from_env()), range(40), late) == [], "30% late is within a 50% margin"
+    monkeypatch.setenv(ENV_MARGIN, "0.2")
+    [named] = feed(StragglerWatch(3, config_from_env()), range(5), late)
+    assert named.rank == 1 and named.step == 4, "named after 5 slow steps"
+    monkeypatch.setenv(ENV_STEPS, "often")
+    assert config_from_env().steps == 20, "an unreadable value falls back to the default"
+
+
+def test_a_wrong_margin_or_step_count_is_refused_naming_the_setting():
+    import pytest
+
+    from elastictrain.config import load_config
+    from elastictrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"elastic.straggler_margin must be in \(0, 10\]"):
+        load_config(None, ["elastic.straggler_margin=0"])
+    with pytest.raises(ConfigError, match="elastic.straggler_steps must be >= 1"):
+        load_config(None, ["elastic.straggler_steps=0"])
+    assert load_config(None, ["elastic.straggler_margin=0.5"]).elastic.straggler_margin == 0.5
