@@ -1,4 +1,4 @@
-"""Does a checkpoint fit this job? Config fingerprint, library versions, and state-dict keys and shapes.
+"""Does a checkpoint fit this job? Its format, config fingerprint, library versions, state-dict keys and shapes.
 
 Checked before `dcp.load` so that a mismatch reads as one clear `CheckpointMismatchError` naming what
 differs, instead of DCP's per-rank stack traces.
@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastictrain.checkpoint import manifest as manifest_mod
+from elastictrain.checkpoint.manifest import library_versions
 from elastictrain.errors import CheckpointMismatchError
+
+if TYPE_CHECKING:
+    from elastictrain.checkpoint.discovery import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,20 @@ def raise_mismatch(url: str, fp_diffs: list[str], key_problems: list[str]) -> No
         f"checkpoint {url} does not match this job: {'. '.join(parts)}. Resume with the configuration it was "
         f"written with, point checkpoint.resume at another checkpoint, or set checkpoint.resume=never to "
         f"start fresh")
+
+
+def check_format(info: "CheckpointInfo") -> None:
+    """Refuse a checkpoint written in a newer layout than this elastictrain reads (CheckpointMismatchError): loading
+    it could misread it, and skipping it for an older one would silently throw the newer steps away."""
+    manifest = info.manifest
+    if manifest is None or manifest.format <= manifest_mod.FORMAT_VERSION:
+        return
+    written = manifest.metadata.versions.get("elastictrain", "a newer version")
+    raise CheckpointMismatchError(
+        f"checkpoint {info.url} is in checkpoint format {manifest.format} (written by elastictrain {written}); this "
+        f"elastictrain ({library_versions().get('elastictrain', 'unknown')}) reads format "
+        f"{manifest_mod.FORMAT_VERSION}: upgrade elastictrain on every node, or point checkpoint.resume at an older "
+        f"checkpoint")
 
 
 def warn_versions(current: Mapping[str, str], saved: Mapping[str, str], url: str) -> list[str]:

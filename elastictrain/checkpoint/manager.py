@@ -538,6 +538,7 @@ class CheckpointManager:
             parent = Storage(url=st.url.rstrip("/").rsplit("/", 1)[0], fs=st.fs, root=st.root.rsplit("/", 1)[0],
                              protocol=st.protocol, options=st.options)
             info = self._rank0(lambda: open_checkpoint(st), st)
+            compat.check_format(info)
             if not info.valid:
                 raise CheckpointError(f"checkpoint.resume={resume}: not a valid checkpoint ({info.reason}); "
                                       f"point it at a committed step-* directory or use 'auto'")
@@ -552,6 +553,7 @@ class CheckpointManager:
             info = self._rank0(lambda: next(gen, None), storage)  # type: ignore[arg-type]
             if info is None:
                 return None
+            compat.check_format(info)
             problems = self._verified(info, storage)
             if not problems:
                 return info, storage

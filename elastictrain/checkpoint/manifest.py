@@ -50,7 +50,7 @@ def _versions() -> tuple[tuple[str, str], ...]:
     import torch
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for mod in ("transformers", "elastictrain"):
+    for mod in ("transformers", "peft", "elastictrain"):
         try:
             from importlib.metadata import version
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elastictrain.checkpoint import commit
-from elastictrain.checkpoint.discovery import find_latest_valid
+from elastictrain.checkpoint.discovery import find_latest_valid, list_checkpoints
 from elastictrain.checkpoint.manager import CheckpointManager
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointError, CheckpointMismatchError
@@ -169,6 +169,20 @@ def test_library_version_difference_is_a_warning(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         loaded = manager(tmp_path).load_latest(make_state()[1])
     assert loaded.version_warnings and "torch" in loaded.version_warnings[0] and "other library versions" in caplog.text
+
+
+def test_a_checkpoint_in_a_newer_format_is_refused_not_skipped_for_an_older_one(tmp_path, monkeypatch):
+    """An older elastictrain resuming a newer one's checkpoints: a clear line with the fix, never a silent
+    resume from an older checkpoint (the newer steps thrown away) or a misread."""
+    _, state = make_state()
+    m = manager(tmp_path)
+    m.save(1, state, blocking=True)
+    [saved] = list_checkpoints(m.storage)
+    assert {"torch", "transformers", "peft", "elastictrain"} <= set(saved.manifest.metadata.versions)
+    import elastictrain.checkpoint.manifest as manifest_mod
+    monkeypatch.setattr(manifest_mod, "FORMAT_VERSION", 0)  # this reader predates the format written
+    with pytest.raises(CheckpointMismatchError, match=r"checkpoint format 1 .*reads format 0: upgrade elastictrain"):
+        manager(tmp_path).load_latest(make_state()[1])
 
 
 def test_failed_saves_never_raise_are_reported_and_retried_then_stop_after_the_limit(tmp_path, monkeypatch):
