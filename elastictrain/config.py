@@ -271,6 +271,9 @@ class ElasticConfig:
     does not wait for Python, torch and the model code to import."""
     prewarm: list[str] = field(default_factory=list)
     """Modules a spare imports before it waits (`--prewarm a,b`); a user's script's spares also import torch."""
+    replica_bandwidth: Union[int, str, None] = None
+    """The most bytes per second the peer replicas of in-memory snapshots may send from this node (an integer, or a
+    size such as 200MB): on a CPU node they take cores from training; None: as fast as they go."""
     straggler_margin: float = 0.2
     """A rank later than this fraction of the median step time (and 20 ms) is slow (docs/agent.md, Stragglers)."""
     straggler_steps: int = 20
@@ -684,6 +687,20 @@ def parse_memory_size(value: Union[int, float, str, None], where: str) -> Union[
                       f"fraction of the node's RAM in (0, 1] such as 0.25; e.g. --set {where}=8GiB")
 
 
+def replica_rate(e: ElasticConfig) -> Optional[int]:
+    """`elastic.replica_bandwidth` as bytes per second (None: no limit); ConfigError when it is not a size."""
+    if e.replica_bandwidth is None:
+        return None
+    try:
+        value = parse_memory_size(e.replica_bandwidth, "elastic.replica_bandwidth")
+    except ConfigError:
+        value = None
+    if not isinstance(value, int):
+        raise ConfigError(f"elastic.replica_bandwidth={e.replica_bandwidth!r}: expected bytes per second (an integer, "
+                          f"or a size such as 200MB); e.g. --set elastic.replica_bandwidth=200MB")
+    return value
+
+
 def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0) -> CheckpointConfig:
     """A validated CheckpointConfig from plain data (the public API's `Worker.steps(checkpoint=..., **options)`)."""
     c = _build(CheckpointConfig, data, "checkpoint")
@@ -756,6 +773,7 @@ def validate_elastic(e: ElasticConfig) -> None:
                           f"elastic.restart_backoff_max_s={e.restart_backoff_max_s:g}")
     if not 0 <= e.restart_backoff_jitter < 1:
         raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
+    replica_rate(e)
     if not 0 < e.straggler_margin <= 10:
         raise ConfigError(f"elastic.straggler_margin must be in (0, 10] (got {e.straggler_margin:g}): the lateness, "
                           f"as a fraction of the median step time, that makes a rank slow; 0.2 is 20%")

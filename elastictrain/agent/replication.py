@@ -53,7 +53,9 @@ class Replicator:
     ranks' snapshots to the ring peer; `close()` stops both."""
 
     def __init__(self, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness, host: str,
-                 emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S):
+                 emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S, rate: Optional[int] = None):
+        """`rate`: bytes per second the replicas may take (elastic.replica_bandwidth; None: as fast as they go)."""
+        self.rate = rate
         self.folder, self.client, self.node, self.poll_s = folder, client, liveness.node_id, poll_s
         self._nodes_prefix = f"{run_prefix.rstrip('/')}/nodes/"
         self._emit = emit
@@ -129,7 +131,7 @@ class Replicator:
     def _send(self, peer: Peer, rank: int, reader: SlotReader) -> bool:
         step, started = reader.marker["step"], time.monotonic()
         try:
-            confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S)
+            confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S, self.rate)
         except SnapshotReplicaError as e:
             self._failed(peer, rank, step, e)
             return False

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import socket
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -168,10 +169,22 @@ class SlotReader:
     def nbytes(self) -> int:
         return int(self.marker["nbytes"])
 
-    def send(self, sock: socket.socket) -> None:
-        """Send the slot's bytes on `sock`, copied by the kernel (sendfile): no pass through this process."""
+    def send(self, sock: socket.socket, rate: Optional[int] = None) -> None:
+        """Send the slot's bytes on `sock`, copied by the kernel (sendfile): no pass through this process. `rate`:
+        at most that many bytes per second on average (in pieces of a tenth of a second's worth)."""
         with open(self.rank_dir / f"slot{self.slot}.bin", "rb") as f:
-            sent = sock.sendfile(f, 0, self.nbytes) if self.nbytes else 0
+            if not rate:
+                sent = sock.sendfile(f, 0, self.nbytes) if self.nbytes else 0
+            else:
+                sent, started, piece = 0, time.monotonic(), max(1 << 16, rate // 10)
+                while sent < self.nbytes:
+                    n = sock.sendfile(f, sent, min(piece, self.nbytes - sent))
+                    if n == 0:
+                        break
+                    sent += n
+                    ahead = sent / rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        time.sleep(ahead)
         if sent != self.nbytes:
             raise SnapshotReplicaError(f"{self.rank_dir}/slot{self.slot}.bin is shorter than its marker says")
 
@@ -250,9 +263,11 @@ def parse_slot_headers(headers: Any) -> tuple[dict[str, Any], int]:
     return marker, meta_bytes
 
 
-def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float) -> Optional[int]:
-    """Send `reader`'s slot to `peer` as its replica of `source`'s rank `rank`: the checksum the peer confirmed, or
-    None when the slot was rewritten while being sent (the peer committed nothing; send the newer one).
+def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float,
+         rate: Optional[int] = None) -> Optional[int]:
+    """Send `reader`'s slot to `peer` as its replica of `source`'s rank `rank` (at most `rate` bytes/s): the checksum
+    the peer confirmed, or None when the slot was rewritten while being sent (the peer committed nothing; send the
+    newer one).
 
     SnapshotReplicaError when the peer is unreachable, refuses it, or confirms another checksum.
     """
@@ -262,7 +277,7 @@ def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float)
         for k, v in {**slot_headers(reader), AUTH_HEADER: peer.auth()}.items():
             conn.putheader(k, v)
         conn.endheaders()
-        reader.send(conn.sock)
+        reader.send(conn.sock, rate)
         if not reader.unchanged():
             return None  # closing the connection one meta short makes the peer drop what it received
         conn.send(reader.meta)

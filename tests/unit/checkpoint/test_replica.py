@@ -189,3 +189,29 @@ def test_a_replica_of_another_world_size_is_not_loaded_and_the_skip_event_says_w
         assert ckpt.state.step == 0
     finally:
         ckpt.close()
+
+
+def test_a_bandwidth_cap_spreads_the_replica_over_time_and_it_still_commits_bitwise(tmp_path, server):
+    """elastic.replica_bandwidth: on a CPU node the replica's copy competes with training, so it can be paced. The
+    lower bound on the time is what the cap promises (a loaded machine only makes it slower)."""
+    import time
+
+    from elastictrain.config import ElasticConfig, replica_rate
+    from elastictrain.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)  # ~1 MB of parameters (+2 MB of Adam state after a step)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    optim.step()
+    store = SnapshotStore(tmp_path / "a", 0, JOB)
+    info = store.save(1, {"model": model.state_dict(), "optim": optim.state_dict()})
+    rate = info.nbytes * 2  # half a second's worth
+    started = time.monotonic()
+    assert push(server.peer(), "node-a", 0, SlotReader.open(store.dir, info.slot), 10, rate=rate) == info.checksum
+    assert time.monotonic() - started >= 0.45, "the replica went faster than the cap"
+    assert _replicas(server, "node-a", 0) == [1]
+    assert replica_rate(ElasticConfig(replica_bandwidth="200MB")) == 200_000_000
+    assert replica_rate(ElasticConfig()) is None
+    with pytest.raises(ConfigError, match="elastic.replica_bandwidth"):
+        replica_rate(ElasticConfig(replica_bandwidth="0.5"))
