@@ -27,14 +27,13 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastictrain.checkpoint.base_weights import BASE_PART, base_fingerprint
+from elastictrain.checkpoint.export_peft import ADAPTER_NAME
 from elastictrain.config import JobConfig, LoraSettings, ModelConfig
 from elastictrain.errors import ConfigError
 from elastictrain.runtime.determinism import derive_seed
 
 log = logging.getLogger(__name__)
 
-ADAPTER_NAME = "default"
-"""peft's name for a model's only adapter (in the parameter names: `lora_A.default.weight`)."""
 _BASE_LAYER = "base_layer."
 
 

@@ -96,7 +96,9 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
                      scheduler.get_last_lr()[0], st, tokens_per_step / st)
 
     if trainable_only:
-        fill_weights(model, cfg.model, t.seed)
+        # A section: the agent's init allowance, then 5 x its longest run, not the start-up timeout.
+        with w.section("frozen_base"):
+            fill_weights(model, cfg.model, t.seed)
     loop = w.steps(end, state, checkpoint=cfg.checkpoint if cfg.checkpoint.url else None,
                    fingerprint=job_fingerprint(cfg, trainable_only),
                    metadata={"hf_config": hf_config.to_dict(), **adapter_metadata(cfg.model)},
