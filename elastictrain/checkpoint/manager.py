@@ -293,16 +293,7 @@ class CheckpointManager:
             raise CheckpointError("save() without checkpoint.url; set checkpoint.url to enable checkpoints")
         if self.cfg.async_save and not blocking and not agreed and self._agree(step, unable=False)[0]:
             return False
-        self.wait()
-        self._raise_if_failing()
-        dirname = step_dir_name(step)
-        url = self.storage.url_for(dirname)
-        metadata = CheckpointMetadata(step=step, world_size=self.world_size, fingerprint=self.fingerprint,
-                                      versions=library_versions(), extra=self.extra_metadata)
-        writer = CommittingWriter(self.storage, dirname, metadata)
-        self._last_saved_step = step
-        self._last_save_time = time.monotonic()
-        t0 = time.monotonic()
+        writer, url, t0 = self._begin(step)
         if blocking or not self.cfg.async_save:
             try:
                 saved = dcp.save(state, storage_writer=writer, process_group=self._dcp_pg,
@@ -316,12 +307,26 @@ class CheckpointManager:
                 self._emit("checkpoint_deleted", url=deleted)
             return True
         kind = AsyncCheckpointerType.PROCESS if self.cfg.async_mode == "process" else AsyncCheckpointerType.THREAD
-        self._start_async(step, state, writer, url, t0, self._stager, kind)
+        self._start_async(step, state, (writer, url, t0), self._stager, kind)
         return True
 
-    def _start_async(self, step: int, state: dict[str, Any], writer: CommittingWriter, url: str, t0: float,
+    def _begin(self, step: int) -> tuple[CommittingWriter, str, float]:
+        """Before any save of `step`: the save in flight recorded, the failure limit checked; the writer, the URL
+        and the start time."""
+        assert self.storage is not None
+        self.wait()
+        self._raise_if_failing()
+        dirname = step_dir_name(step)
+        metadata = CheckpointMetadata(step=step, world_size=self.world_size, fingerprint=self.fingerprint,
+                                      versions=library_versions(), extra=self.extra_metadata)
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        return CommittingWriter(self.storage, dirname, metadata), self.storage.url_for(dirname), time.monotonic()
+
+    def _start_async(self, step: int, state: dict[str, Any], begun: tuple[CommittingWriter, str, float],
                      stager: AsyncStager, kind: AsyncCheckpointerType,
                      release: Optional[Callable[[], None]] = None) -> None:
+        writer, url, t0 = begun
         # Staging errors are local to this rank (its state_dict() failed): the other ranks are already in
         # the save's collectives, so this is not a recoverable storage failure; let it raise.
         try:
@@ -357,15 +362,12 @@ class CheckpointManager:
             self._emit("checkpoint_save_skipped", step=step, reason="snapshot failed")
             return False
         assert state is not None
-        self.wait()
-        self._raise_if_failing()
-        dirname = step_dir_name(step)
-        metadata = CheckpointMetadata(step=step, world_size=self.world_size, fingerprint=self.fingerprint,
-                                      versions=library_versions(), extra=self.extra_metadata)
-        self._last_saved_step = step
-        self._last_save_time = t0 = time.monotonic()
-        self._start_async(step, state, CommittingWriter(self.storage, dirname, metadata),
-                          self.storage.url_for(dirname), t0, _AS_IS, AsyncCheckpointerType.THREAD, release)
+        try:
+            begun = self._begin(step)
+        except BaseException:
+            release()
+            raise
+        self._start_async(step, state, begun, _AS_IS, AsyncCheckpointerType.THREAD, release)
         return True
 
     def _agree(self, step: int, unable: bool, check_flight: bool = True) -> tuple[bool, bool]:

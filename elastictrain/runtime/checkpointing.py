@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -344,15 +345,13 @@ class StateCheckpointer:
         """Start the pending durable save from its snapshot slot (on every rank: a collective)."""
         step, self._durable_pending = self._durable_pending, None
         assert step is not None
-        store, view = self.snapshots, None
+        store, view, release = self.snapshots, None, (lambda: None)
         info = store.last if store is not None else None
         if store is not None and info is not None and info.step == step:
             try:
-                view = store.hold(info)
+                view, release = store.hold(info), partial(store.release, info)
             except (ValueError, OSError) as e:
                 log.warning("the snapshot of step %d cannot be saved from: %s", step, e)
-        release = (lambda: store.release(info)) if view is not None and store is not None and info is not None \
-            else (lambda: None)
         if self.mgr.save_from_snapshot(step, view, release):
             self._last_saved = step
 

@@ -10,7 +10,6 @@ its logits are the trained model's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastictrain.runtime.train_state import param_digest
 from tests.integration.recipe_runs import FAST, REPO, assert_same_train_state, ledger_max_step, run_recipe, worker_env
 
 pytestmark = pytest.mark.slow
@@ -83,16 +83,6 @@ def _trained_model(base: Path, ckpt_step: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _digest(model: torch.nn.Module) -> str:
-    """`TrainState.digest`'s parameter hash (runtime/train_state.py: sorted names, then raw bytes)."""
-    h = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def straight(base, tmp_path_factory) -> tuple[dict, Path]:
     """An uninterrupted LoRA run: its summary and its checkpoint root."""
@@ -119,7 +109,7 @@ def test_lora_checkpoints_are_small_resume_bitwise_and_export_to_peft_and_merged
     assert lora_bytes < 0.1 * full_bytes, f"LoRA checkpoint {lora_bytes} B vs full {full_bytes} B"
 
     trained = _trained_model(base, _step(straight_ckpt, STEPS))
-    assert _digest(trained) == straight["param_digest"], "the rebuilt model is the trained one, bitwise"
+    assert param_digest(trained) == straight["param_digest"], "the rebuilt model is the trained one, bitwise"
     _cli("ckpt", "export", str(straight_ckpt), "--out", str(tmp_path / "adapter"))
     _cli("ckpt", "export", str(straight_ckpt), "--out", str(tmp_path / "merged"), "--merged")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}

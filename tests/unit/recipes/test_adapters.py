@@ -203,16 +203,4 @@ def test_a_frozen_layer_checkpoint_exports_only_merged_over_the_base_it_was_trai
         export_checkpoint(storage, info, str(tmp_path / "out"), merged=True, base=str(bases["b"]))
     export_checkpoint(storage, info, str(tmp_path / "out"), merged=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
-    assert _plain_digest(merged) == digest, "the base's frozen tensors and the trained ones, bitwise"
-
-
-def _plain_digest(model: torch.nn.Module) -> str:
-    """`param_digest` of an unsharded model (sorted names, then raw bytes)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    assert param_digest(merged) == digest, "the base's frozen tensors and the trained ones, bitwise"
