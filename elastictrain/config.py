@@ -285,6 +285,13 @@ class ElasticConfig:
     """Steps in a row a named straggler must stay slow before it is replaced."""
     straggler_drain_window_s: float = 3600.0
     """A host whose rank was restarted as a straggler within this long is drained the next time (0: never drain)."""
+    in_place: bool = False
+    """Pause in place: when a worker dies, only it is replaced; the other workers keep their processes and state, wait
+    at the step boundary, rebuild the process group and continue from the newest in-memory snapshot. Needs a step loop
+    inside `Worker.guard()` (the recipe has one) and `checkpoint.snapshot_every_steps` (docs/agent.md). Anything that
+    fails on that path falls back to restarting every worker."""
+    in_place_timeout_s: float = 60.0
+    """The longest the surviving workers wait for a replacement before they fall back to a restart of every worker."""
 
 
 @dataclass
@@ -784,6 +791,9 @@ def validate_elastic(e: ElasticConfig) -> None:
         raise ConfigError(f"elastic.straggler_replace_after_steps must be >= 1 (got "
                           f"{e.straggler_replace_after_steps}); to never replace stragglers set "
                           f"elastic.replace_stragglers: false")
+    if not e.in_place_timeout_s > 0:
+        raise ConfigError(f"elastic.in_place_timeout_s must be > 0 (got {e.in_place_timeout_s:g}); it bounds how long "
+                          f"survivors wait in place for a replacement")
     if e.straggler_drain_window_s < 0:
         raise ConfigError(f"elastic.straggler_drain_window_s must be >= 0 (got {e.straggler_drain_window_s:g}); "
                           f"0 never drains a straggler's node (its workers are only restarted)")

@@ -38,9 +38,9 @@ from elastictrain.agent.budget import (
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
 from elastictrain.agent.spares import WarmPool
-from elastictrain.agent.warm import torch_starts_workers_with
+from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
-from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_REFORM
+from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_NO_IN_PLACE, EXIT_REFORM
 from elastictrain.runtime.heartbeat import (
     ENV_AGENT_PID,
     ENV_HEARTBEAT_ADDR,
@@ -50,6 +50,7 @@ from elastictrain.runtime.heartbeat import (
     decode,
     section_phase,
 )
+from elastictrain.runtime.inplace import ENV_GENERATION, next_generation
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ class ElasticAgent(LocalElasticAgent):
         self._refill_by = 0.0
         self._spares_announced = True
         self.total_steps = 0
+        self.in_place_store: Any = None
+        """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
+        replaced alone while its peers wait in place. Set before `run`."""
         self.peer_step_times: dict[int, float] = {}
         """World size -> a calibrated step time other nodes of this run published (set before `run`): the hang
         rule's prior for this agent's first group of that size."""
@@ -272,6 +276,8 @@ class ElasticAgent(LocalElasticAgent):
             with torch_starts_workers_with(self._warm.start_processes):
                 pids = super()._start_workers(worker_group)
             self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
+        if self.in_place_store is not None and isinstance(self._pcontext, WarmContext):
+            self._pcontext.keep_survivors = True
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
         if world in self.peer_step_times:
@@ -307,6 +313,8 @@ class ElasticAgent(LocalElasticAgent):
             failed = False
         self._reform = False
         backoff = self._charge_restart(worker_group) if failed and self._budget is not None else 0.0
+        if failed and backoff == 0 and self._replace_in_place(worker_group):
+            return
         self._emit("restart", reason="failure" if failed else "membership change",
                    remaining_restarts=self._remaining_restarts, backoff_s=round(backoff, 2))
         # torch's _restart_workers, with the backoff between stopping the old group and joining the next round.
@@ -317,6 +325,37 @@ class ElasticAgent(LocalElasticAgent):
                         backoff)
             time.sleep(backoff)
         self._initialize_workers(worker_group)
+
+    def _replace_in_place(self, worker_group: WorkerGroup) -> bool:
+        """`elastic.in_place`: start new processes for the failed local ranks only, in a new process-group generation
+        that the survivors (here and on the other nodes, paused in place) join. False: not possible here (a hang, an
+        error that asks for a full restart, nothing survives), so every worker is restarted instead."""
+        ctx = self._pcontext
+        if self.in_place_store is None or not isinstance(ctx, WarmContext) or self._pending_hang:
+            return False
+        failures = dict(ctx._failures)
+        world = worker_group.workers[0].world_size if worker_group.workers else 0
+        if not failures or len(failures) >= world or any(
+                f.exitcode in (EXIT_FATAL, EXIT_REFORM, EXIT_NO_IN_PLACE) for f in failures.values()):
+            return False
+        try:
+            generation = next_generation(self.in_place_store)
+            pids = {lr: ctx.replace(lr, {ENV_GENERATION: str(generation)}) for lr in sorted(failures)}
+        except Exception as e:  # noqa: BLE001 - etcd down, no process could start: the full restart may still work
+            log.warning("could not replace the failed worker(s) in place (%s); restarting every worker", e)
+            return False
+        now = self._clock()
+        for lr, pid in pids.items():
+            worker_group.workers[lr].id = pid
+            self._health.workers[lr] = WorkerHealth(local_rank=lr, pid=pid, started=now)
+        ranks = sorted(worker_group.workers[lr].global_rank for lr in pids)
+        log.warning("replacing rank(s) %s in place (generation %d); the other workers wait with their state",
+                    ", ".join(map(str, ranks)), generation)
+        self._emit("restart", reason="failure", in_place=True, generation=generation, replaced_ranks=ranks,
+                   pids={lr: pid for lr, pid in pids.items()}, remaining_restarts=self._remaining_restarts,
+                   backoff_s=0.0)
+        worker_group.state = WorkerState.HEALTHY
+        return True
 
     def _charge_restart(self, worker_group: WorkerGroup) -> float:
         """Charge this failure to the job-wide budget; returns the backoff to wait, raises when the job must end."""

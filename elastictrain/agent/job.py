@@ -51,6 +51,7 @@ from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import EtcdSettings
 from elastictrain.runtime.exitcodes import EXIT_FATAL
+from elastictrain.runtime.inplace import ENV_IN_PLACE, InPlaceSettings, generations_store
 from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_STEPS
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,10 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                              lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
         stack.callback(relay.close)
         os.environ.update(relay.env())  # the workers inherit the agent's environment
+        if elastic.in_place:  # the workers reach the run's process-group generations in etcd as the agent does
+            os.environ[ENV_IN_PLACE] = InPlaceSettings(request.config.rdzv_endpoint, run_id,
+                                                       dict(request.config.rdzv_configs),
+                                                       elastic.in_place_timeout_s).to_env()
         replacer = _straggler_replacer(elastic, client, settings.run_prefix, request.config.min_nodes, relay,
                                        lambda: publisher.node if publisher else None,
                                        lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)
@@ -160,6 +165,8 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             nonlocal publisher
             agent_ref["agent"] = agent
             agent.total_steps = cfg.train.steps if cfg is not None else 0  # no refill spares at the job's end
+            if elastic.in_place:
+                agent.in_place_store = generations_store(client, settings.run_prefix)
             node = getattr(agent.get_worker_group().spec.rdzv_handler, "this_node", None)
             publisher = EtcdStatusPublisher(client, settings.run_prefix, node or f"{os.uname().nodename}_{os.getpid()}",
                                             max_restarts=request.config.max_restarts, budget=budget)

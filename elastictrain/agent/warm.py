@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 from torch.distributed.elastic.agent.server import local_elastic_agent
-from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastictrain.runtime.exitcodes import EXIT_REFORM
@@ -46,6 +46,35 @@ class WarmContext(SubprocessContext):
     def __init__(self, pool: SpareSource, **kwargs: Any):
         super().__init__(**kwargs)
         self._pool = pool
+        self.keep_survivors = False
+        """`elastic.in_place`: a failed worker's local peers stay up until the agent decides (torch stops them at
+        once); the agent then replaces the failed ones (`replace`) or stops the rest (`close`)."""
+
+    def _poll(self) -> Optional[RunProcsResult]:
+        if not self.keep_survivors:
+            return super()._poll()
+        done: set[int] = set()
+        self._capture_process_failures(done)
+        self._running_local_ranks.difference_update(done)
+        if self._failures:
+            return RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
+        return super()._poll() if not self._running_local_ranks else None
+
+    def replace(self, local_rank: int, env: dict[str, str]) -> int:
+        """Start a new process for failed `local_rank` (from a spare when one is left), with its environment plus
+        `env`; the survivors keep running. Returns its pid."""
+        stdout, stderr = self.stdouts[local_rank], self.stderrs[local_rank]
+        full_env = {**self.envs[local_rank], **env}
+        handler = self._pool.serve(local_rank, self.args[local_rank], full_env,
+                                   str(stdout) if stdout else None, str(stderr) if stderr else None)
+        if handler is None:
+            handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self.args[local_rank], env=full_env,
+                                             stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+                                             numa_options=self._numa_options)
+        self.subprocess_handlers[local_rank] = handler
+        self._failures.pop(local_rank, None)
+        self._running_local_ranks.add(local_rank)
+        return handler.proc.pid
 
     def close(self, death_sig: Optional[signal.Signals] = None, timeout: int = 30) -> None:
         failures = self._failures.values()

@@ -113,21 +113,22 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             first_step = time.monotonic()
             if bar is not None:
                 bar.update(state.step)
-        # Summed token losses / the global batch's count of target tokens (the same at any world size); FSDP
-        # averages gradients over the ranks, which mb.weight undoes. `norm` is that count per micro-batch.
-        targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
-                   else d.global_batch_size * d.seq_len)
-        norm = targets * d.micro_batch_size / d.global_batch_size
-        for mb in sampler.micro_batches():
-            model.set_requires_gradient_sync(mb.last)
-            loss = token_loss(model, source, mb.indices, w.device)
-            (loss * (mb.weight / norm)).backward()
-            w.report(loss=loss.detach() * (mb.fraction / norm))
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        with w.guard():  # elastic.in_place: a peer's failure pauses this process here instead of ending it
+            # Summed token losses / the global batch's count of target tokens (the same at any world size); FSDP
+            # averages gradients over the ranks, which mb.weight undoes. `norm` is that count per micro-batch.
+            targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
+                       else d.global_batch_size * d.seq_len)
+            norm = targets * d.micro_batch_size / d.global_batch_size
+            for mb in sampler.micro_batches():
+                model.set_requires_gradient_sync(mb.last)
+                loss = token_loss(model, source, mb.indices, w.device)
+                (loss * (mb.weight / norm)).backward()
+                w.report(loss=loss.detach() * (mb.fraction / norm))
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
     wall = time.monotonic() - first_step if first_step is not None else 0.0
     if bar is not None:
         bar.close()

@@ -394,6 +394,18 @@ class StateCheckpointer:
         self.snapshots = None
         self.mgr.saves_from_snapshots = False
 
+    def abandon(self) -> None:
+        """Drop this checkpointer after its process group failed (the in-place path, runtime/inplace.py): the
+        snapshot copy in flight completes (node memory only; the recovery may load it), a durable save in flight is
+        left to fail with its aborted group, so it is never committed; nothing waits on a collective."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._durable_pending = None
+        if self.snapshots is not None:
+            self.snapshots.close()
+            self.snapshots = None
+
     def close(self) -> None:
         self.mgr.close()
         if self._hook is not None:

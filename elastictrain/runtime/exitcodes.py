@@ -17,6 +17,10 @@ EXIT_REFORM = 75
 """Stopped cleanly (state saved) because a rank on another node was asked to stop (a drain): the agent
 re-forms the group without charging the restart budget, instead of finishing the job."""
 
+EXIT_NO_IN_PLACE = 76
+"""With `elastic.in_place`: this worker could not recover in place (no replacement joined in time, the group did not
+re-form, a peer failure outside `Worker.guard()`): its agent restarts every worker instead of replacing it."""
+
 ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 """Where torch's agent reads a failed worker's cause (set per worker by torch.distributed.elastic)."""
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.config import TrainConfig
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, abort_groups, init_world
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class Session:
         self.device = select_device(cfg.device, self.info.local_rank)
         self.mesh: Optional[DeviceMesh] = None
         self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        self.in_place = InPlace.from_env(self.info.rank, self.info.world_size)
+        """Set when our agent runs the job with `elastic.in_place` (runtime/inplace.py)."""
 
     @property
     def rank(self) -> int:
@@ -80,7 +83,12 @@ class Session:
         # CPU collectives (loss/flag reductions, DCP's group) always have gloo; CUDA tensors go through NCCL.
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            if "MASTER_ADDR" in os.environ:
+            if self.in_place is not None and self.in_place.replacement:
+                # A replacement for a failed rank: it joins the survivors' new group, not the first one.
+                assert self.in_place.generation is not None
+                init_world(self.in_place.group_store(self.in_place.generation), self.rank, self.world_size,
+                           timeout, self.device)
+            elif "MASTER_ADDR" in os.environ:
                 dist.init_process_group(backend=backend, timeout=timeout,
                                         device_id=self.device if self.device.type == "cuda" else None)
             else:
@@ -92,8 +100,20 @@ class Session:
         log.debug("session started: rank %d/%d on %s", self.rank, self.world_size, self.device)
         return self
 
+    def rebuild(self, generation: int) -> None:
+        """Replace this process's groups by generation `generation`'s (the in-place path, runtime/inplace.py)."""
+        assert self.in_place is not None and self.mesh is not None
+        abort_groups()
+        init_world(self.in_place.group_store(generation), self.rank, self.world_size,
+                   datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device)
+        if self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
+            raise InPlaceFailed("the device mesh does not resolve to the rebuilt process group (a torch version whose "
+                                "meshes keep their groups otherwise); restarting every worker instead")
+        self.in_place.generation = generation
+
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.in_place is not None:
+            self.in_place.close()
             dist.destroy_process_group()
         if self._tmp is not None:
             self._tmp.cleanup()

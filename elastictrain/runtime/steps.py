@@ -21,6 +21,7 @@ import logging
 import statistics
 import time
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -35,6 +36,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.injected_faults import maybe_inject
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, is_peer_failure
 from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch, config_from_env
 from elastictrain.runtime.train_state import TrainState
 
@@ -69,6 +71,9 @@ class LoopHost(Protocol):
     def is_main(self) -> bool: ...
     @property
     def device(self) -> torch.device: ...
+    @property
+    def in_place(self) -> Optional[InPlace]: ...
+    def rebuild_group(self, generation: int) -> None: ...
 
 
 def _names_hash(names: list[str]) -> int:
@@ -96,10 +101,18 @@ class StepLoop:
         self._pending: dict[str, Any] = {}
         self._fingerprint = fingerprint_parts(fingerprint or {})
         self.checkpointer: Optional[StateCheckpointer] = None
+        self._checkpointer: Optional[Callable[[], StateCheckpointer]] = None
         if checkpoint is not None and checkpoint.url:
-            self.checkpointer = StateCheckpointer(
+            self._checkpointer = lambda: StateCheckpointer(
                 checkpoint, state, worker.heartbeat, rank=worker.rank, world_size=worker.world_size,
                 fingerprint=self._fingerprint, metadata=metadata)
+            self.checkpointer = self._checkpointer()
+        self._guarded = False
+        """`Worker.guard()` was used: a peer's failure inside the step pauses this process in place."""
+        self._failure: Optional[BaseException] = None
+        """The peer failure the guard caught in the step just run."""
+        self.recoveries = 0
+        """How often this process recovered in place."""
         self._audit_dir = audit_dir
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
@@ -119,6 +132,22 @@ class StepLoop:
         for name, v in values.items():
             v = v.detach() if isinstance(v, torch.Tensor) else v
             self._pending[name] = self._pending[name] + v if name in self._pending else v
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """The body of a step: with `elastic.in_place`, a collective that fails because a peer went away ends the
+        step early instead of the process; the loop then waits in place for the peer's replacement (inplace.py)."""
+        self._guarded = True
+        try:
+            yield
+        except Exception as e:
+            if not self._recoverable(e):
+                raise
+            self._failure = e
+
+    def _recoverable(self, e: BaseException) -> bool:
+        return (self.worker.in_place is not None and self._guarded and self._checkpointer is not None
+                and is_peer_failure(e))
 
     def __iter__(self) -> Iterator[int]:
         if self._started:
@@ -140,7 +169,17 @@ class StepLoop:
                 maybe_inject(st.step, w.rank)
                 t0 = time.monotonic()
                 yield st.step
-                if self._end_step(t0):
+                done = False
+                if self._failure is None:
+                    try:
+                        done = self._end_step(t0)
+                    except Exception as e:
+                        if not self._recoverable(e):
+                            raise
+                        self._failure = e
+                if self._failure is not None:
+                    self._recover()
+                elif done:
                     break
             finished = True
         finally:
@@ -165,10 +204,13 @@ class StepLoop:
             self.ledger.close()
             self.ledger = None
 
-    def _start(self) -> None:
+    def _start(self, recovering: bool = False) -> None:
         w, st = self.worker, self.state
         w.heartbeat.beat(st.step, "load")
         resumed = self.checkpointer.restore() if self.checkpointer is not None else None
+        if resumed is None and recovering:
+            raise InPlaceFailed("no snapshot or checkpoint to resume from in place (a failure before the first one); "
+                                "restarting every worker instead")
         if resumed is None:
             if self._init is not None:
                 w.heartbeat.beat(st.step, "init")
@@ -179,6 +221,8 @@ class StepLoop:
             if resumed.reseed:
                 # This rank's RNG was not in the checkpoint (another world size): derive it from (seed, step, rank).
                 seed_everything(derive_seed(w.seed, "resume", st.step, w.rank))
+        if w.in_place is not None:
+            self._agree_generation(w.in_place)
         self._verify_consistent_start()
         self.start_step = st.step
         if self._audit_dir is not None:
@@ -190,6 +234,53 @@ class StepLoop:
             self.ledger = SampleLedger(Path(self._audit_dir), w.rank, f"{self._launch_seq:x}")
         w.heartbeat.beat(st.step, "train")
         self._released, self._first_forward = time.monotonic(), 0.0
+
+    def _agree_generation(self, in_place: InPlace) -> None:
+        """Every rank runs in rank 0's generation: the one it joined or rebuilt, or on a first start the counter's."""
+        gen = torch.tensor([in_place.generation if in_place.generation is not None else
+                            (in_place.read_generation() if self.worker.rank == 0 else 0)], dtype=torch.int64)
+        if self.worker.world_size > 1:
+            dist.broadcast(gen, src=0)
+        in_place.generation = int(gen.item())
+
+    def _recover(self) -> None:
+        """A peer failed in the step just run: drop the step, wait here for its replacement, rebuild the process
+        group, and continue from the newest snapshot every rank holds (runtime/inplace.py)."""
+        w, st = self.worker, self.state
+        exc, self._failure = self._failure, None
+        in_place = w.in_place
+        assert in_place is not None and self._checkpointer is not None
+        failed_step, started = st.step, time.monotonic()
+        cause = str(exc).splitlines()[0][:300] if exc is not None else ""
+        log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
+                    cause)
+        w.heartbeat.beat(failed_step, "paused")
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+        self._pending = {}
+        old = in_place.generation
+        try:
+            generation = in_place.wait_next(beat=lambda: w.heartbeat.beat(failed_step, "paused"),
+                                            stop=lambda: w.stop_flag.requested)
+            w.rebuild_group(generation)
+            self.checkpointer = self._checkpointer()
+            self._start(recovering=True)
+        except InPlaceFailed:
+            raise
+        except Exception as e:
+            raise InPlaceFailed(f"rebuilding the process group in place failed: {type(e).__name__}: {e}") from e
+        self.recoveries += 1
+        pause = time.monotonic() - started
+        if w.is_main:
+            log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)
+            w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
+                              pause_s=round(pause, 3), cause=cause)
+            if old is not None:
+                in_place.forget(old)
 
     def _verify_consistent_start(self) -> None:
         """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint."""

@@ -34,8 +34,9 @@ from elastictrain.errors import ConfigError, ElastictrainError
 from elastictrain.logs import setup_logging
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import configure_determinism, seed_everything
-from elastictrain.runtime.exitcodes import EXIT_REFORM, exit_fatal
+from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE, EXIT_REFORM, exit_fatal
 from elastictrain.runtime.heartbeat import MAX_SECTIONS, Heartbeat, section_phase
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, is_peer_failure, rebind_fsdp
 from elastictrain.runtime.session import RankInfo, Session
 from elastictrain.runtime.steps import StepHook, StepLoop
 from elastictrain.runtime.train_state import TrainState
@@ -115,7 +116,12 @@ class Worker:
             self.loop.close(wait=exc is None)
         if exc is None:
             self._last_barrier()
+        in_place = self.in_place is not None
         self.close()
+        if in_place and exc is not None and (isinstance(exc, InPlaceFailed) or is_peer_failure(exc)):
+            # Not replaced in place: tell the agent to restart every worker (it would replace this one alone).
+            log.error("%s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise SystemExit(EXIT_NO_IN_PLACE) from None
         if isinstance(exc, ElastictrainError):
             log.error("%s", exc)
             if not exc.restartable:
@@ -173,6 +179,18 @@ class Worker:
         return mesh
 
     @property
+    def in_place(self) -> Optional[InPlace]:
+        """Set when the agent runs the job with `elastic.in_place` (see `guard`)."""
+        return self.session.in_place if self.session is not None else None
+
+    def rebuild_group(self, generation: int) -> None:
+        """The in-place path: this process's groups replaced by generation `generation`'s, FSDP pointed at them."""
+        self._session().rebuild(generation)
+        model = self.loop.state.model if self.loop is not None else None
+        if model is not None:
+            rebind_fsdp(model)
+
+    @property
     def metrics(self) -> dict[str, float]:
         """What `report` got in the last finished step, summed over ranks."""
         return dict(self.loop.metrics) if self.loop is not None else {}
@@ -215,6 +233,20 @@ class Worker:
         self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
                              audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init)
         return self.loop
+
+    def guard(self) -> Any:
+        """Wrap each step's body in it (`with w.guard():`) to let the job recover in place (`elastic.in_place`).
+
+        When a peer rank dies, this process's collectives fail inside the step; in the guard that ends the step
+        instead of the process: the loop drops the partial step, waits at the step boundary with everything in
+        memory while the agent replaces the lost rank, rebuilds the process group, and continues from the newest
+        in-memory snapshot (so use `checkpoint.snapshot_every_steps`). Other errors pass through. Without
+        `elastic.in_place` it does nothing. Between `Worker` start and the loop, a script that recovers in place
+        must run no collectives of its own (a replacement joins the others at the loop's start).
+        """
+        if self.loop is None:
+            raise RuntimeError("Worker.guard is for use inside `for step in w.steps(...)`")
+        return self.loop.guard()
 
     @contextmanager
     def section(self, name: str, timeout_s: Optional[float] = None) -> Iterator[None]:

@@ -1,0 +1,224 @@
+"""Pause in place (`elastic.in_place`): a failed rank's peers keep their processes and state, and only it is replaced.
+
+When a rank dies, its peers' collectives fail ("Connection reset by peer": gloo tells every rank connected to the
+dead one, and a rank that tears its group down tells the rest). Instead of exiting, a survivor's step loop
+(`runtime/steps.py`, inside `Worker.guard()`) drops the partial step and waits at the step boundary, reporting
+phase `paused`, while the failed rank's agent starts a replacement (a warm spare) for it. Then every rank builds a
+new default process group for the next **generation**, its c10d store on etcd (no worker hosts it, so the dead rank
+may have been rank 0), points FSDP at it, and loads the newest snapshot every rank holds: the survivors from their
+own node's memory, the replacement from the same node's snapshot (or a peer's replica).
+
+The generations are a counter in etcd (`<run>/inplace/gen`). The agent that replaces a rank bumps it and tells the
+replacement which generation to join (`ENV_GENERATION`); survivors wait for the counter to pass the generation they
+run in. Anything that goes wrong on this path (no new generation within `timeout_s`, a group that does not form)
+makes the survivor exit with `EXIT_NO_IN_PLACE`, and the agents fall back to restarting every worker.
+
+Workers learn the etcd endpoint from `ENV_IN_PLACE`, set by our agent; without it this module is idle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from elastictrain.errors import ElastictrainError
+
+log = logging.getLogger(__name__)
+
+ENV_IN_PLACE = "ELASTICTRAIN_IN_PLACE"
+"""JSON `InPlaceSettings`, set by the agent for its workers when `elastic.in_place` is on."""
+ENV_GENERATION = "ELASTICTRAIN_IN_PLACE_GENERATION"
+"""Set on a replacement worker: the process-group generation it joins."""
+GENERATIONS_PREFIX = "inplace"
+"""Under the run's etcd prefix: the generation counter (`gen`) and each generation's c10d store (`g<N>/`)."""
+_POLL_S = 0.05
+
+_PEER_FAILURE_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
+                         "pair.cc", "nccl", "timed out", "timeout", "abort")
+
+
+class InPlaceFailed(ElastictrainError):
+    """The in-place path could not continue; the worker exits for a restart of every worker instead."""
+
+
+@dataclass(frozen=True)
+class InPlaceSettings:
+    """How a worker reaches the run's generations in etcd (the agent's rendezvous settings) and how long it waits."""
+
+    endpoint: str
+    run_id: str
+    conf: dict[str, Any] = field(default_factory=dict)
+    """torchrun's --rdzv-conf (TLS files, credentials, key prefix): the same etcd access the agent has."""
+    timeout_s: float = 60.0
+    """The longest a survivor waits for the replaced rank's generation before it gives up on the in-place path."""
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), default=str)
+
+    @classmethod
+    def from_env(cls) -> Optional["InPlaceSettings"]:
+        raw = os.environ.get(ENV_IN_PLACE)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return cls(str(data["endpoint"]), str(data["run_id"]), dict(data.get("conf") or {}),
+                   float(data.get("timeout_s", 60.0)))
+
+
+def generations_store(client: Any, run_prefix: str) -> dist.Store:
+    """The run's generation counter and per-generation stores, on etcd (`rendezvous.store.EtcdStore`)."""
+    from elastictrain.rendezvous.store import EtcdStore
+
+    return EtcdStore(client, f"{run_prefix}/{GENERATIONS_PREFIX}", timeout=datetime.timedelta(seconds=60))
+
+
+def current_generation(store: dist.Store) -> int:
+    return int(store.add("gen", 0))
+
+
+def next_generation(store: dist.Store) -> int:
+    """Start a new generation (the agent replacing a rank); its number."""
+    return int(store.add("gen", 1))
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed because a peer went away (not a bug in the step's own code)."""
+    if isinstance(exc, (dist.DistNetworkError, dist.DistBackendError, dist.DistStoreError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return any(m in text for m in _PEER_FAILURE_MARKERS)
+    return False
+
+
+class InPlace:
+    """The worker's side of the in-place path: its generation, waiting for the next one, rebuilding the group."""
+
+    def __init__(self, settings: InPlaceSettings, rank: int, world_size: int):
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        joined = os.environ.get(ENV_GENERATION)
+        self.generation: Optional[int] = int(joined) if joined else None
+        """The generation this process runs in; None until known (a first start reads it at its loop's start)."""
+        self.replacement = joined is not None
+        self._client: Any = None
+        self._store: Optional[dist.Store] = None
+        self._prefix = ""
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int) -> Optional["InPlace"]:
+        settings = InPlaceSettings.from_env()
+        return cls(settings, rank, world_size) if settings is not None else None
+
+    @property
+    def store(self) -> dist.Store:
+        if self._store is None:
+            from elastictrain.rendezvous.client import EtcdClient
+            from elastictrain.rendezvous.settings import EtcdSettings
+
+            s = self.settings
+            etcd = EtcdSettings.from_conf(s.endpoint, s.run_id, s.conf)
+            self._client = EtcdClient(etcd)
+            self._client.connect()
+            self._prefix = f"{etcd.run_prefix}/{GENERATIONS_PREFIX}"
+            self._store = generations_store(self._client, etcd.run_prefix)
+        return self._store
+
+    def group_store(self, generation: int) -> dist.Store:
+        """The c10d store generation `generation`'s default group forms on."""
+        return dist.PrefixStore(f"g{generation}", self.store)
+
+    def read_generation(self) -> int:
+        return current_generation(self.store)
+
+    def wait_next(self, beat: Callable[[], None], stop: Callable[[], bool]) -> int:
+        """Wait until the agent of the failed rank started a newer generation than ours; its number.
+
+        `beat` keeps the agent's hang detector informed; `stop` (SIGTERM: the agents chose a full restart) ends the
+        wait. Raises `InPlaceFailed` after `timeout_s`.
+        """
+        assert self.generation is not None, "the loop reads the generation at its start"
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            newest = self.read_generation()
+            if newest > self.generation:
+                return newest
+            if stop():
+                raise InPlaceFailed("stopped while paused in place (the agents restart every worker)")
+            if time.monotonic() >= deadline:
+                raise InPlaceFailed(f"no replacement joined within {self.settings.timeout_s:g} s "
+                                    f"(elastic.in_place_timeout_s); restarting every worker instead")
+            beat()
+            time.sleep(_POLL_S)
+
+    def forget(self, generation: int) -> None:
+        """Drop an old generation's store keys (rank 0, best effort)."""
+        if self._client is None:
+            return
+        try:  # the counter stays; only that group's rendezvous keys go
+            self._client.delete_prefix(f"{self._prefix}/g{generation}/")
+        except Exception as e:  # noqa: BLE001 - a few stale keys under the run's prefix harm nothing
+            log.debug("could not delete generation %d's store keys: %s", generation, e)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+            self._store = None
+
+
+def abort_groups() -> None:
+    """Abort and destroy every process group of this process: pending collectives fail at once, and peers still
+    blocked on this rank see their connections close (which is how the failure reaches every survivor)."""
+    for pg in list(c10d._world.pg_map):
+        try:
+            pg.abort()
+        except Exception as e:  # noqa: BLE001 - a backend without abort, or already broken
+            log.debug("abort of process group %s: %s", c10d._world.pg_names.get(pg), e)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
+               device: torch.device) -> None:
+    """The default process group of a generation; its name is the first group's ("0") again, so the device mesh,
+    which finds its groups by name, uses it without being rebuilt."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def rebind_fsdp(root: torch.nn.Module) -> int:
+    """Point FSDP2's cached process groups (under `root`, the module `fully_shard` was applied to last) at the new
+    groups of their meshes, and drop the failed step's state: unsharded parameters, pending collectives, gradients
+    (FSDP's own `reset_iter_state`). Returns how many FSDP parameter groups were rebound."""
+    groups = []
+    for module in root.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is not None:
+            groups += get_state()._fsdp_param_groups
+    for group in groups:
+        for info in {id(i): i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None}.values():
+            info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+            if getattr(info, "replicate_process_group", None) is not None:
+                info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        try:
+            reset()
+        except Exception as e:  # noqa: BLE001 - waiting on a collective of the aborted group failed: drop it
+            log.debug("FSDP reset after a failed step: %s; dropping its pending collectives", e)
+            for group in groups:
+                group._all_gather_result = None
+            reset()
+    for p in root.parameters():
+        p.grad = None
+    return len(groups)

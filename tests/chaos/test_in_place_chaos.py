@@ -1,0 +1,53 @@
+"""Pause in place (`elastic.in_place`) under a real 2-node `elastictrain run`: a SIGKILLed worker is replaced alone;
+the other node's worker keeps its process and state, waits at the step boundary, rebuilds the process group with the
+replacement and continues from the newest in-memory snapshot; the job ends bitwise-equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from elastictrain.chaos.process_signals import signal_worker
+from tests.chaos.cluster import Job
+from tests.chaos.test_agent_chaos import ON_TWO, assert_recovered, events, start_two
+from tests.chaos.test_snapshot_chaos import SNAPSHOTS
+from tests.integration.recipe_runs import assert_same_train_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+IN_PLACE = (*SNAPSHOTS, "elastic.in_place=true")
+
+
+@pytest.fixture
+def in_place_job(tmp_path, etcd, run_id):
+    j = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=IN_PLACE)
+    yield j
+    j.teardown()
+
+
+def test_a_killed_worker_is_replaced_alone_and_the_survivor_keeps_its_process(in_place_job, reference):
+    job = in_place_job
+    a, b = start_two(job)
+    survivor, victim = job.wait_workers(a), job.wait_workers(b)
+    saved = job.valid_checkpoints()
+    reached = job.max_step()
+    signal_worker(b.pid, signal.SIGKILL)
+    job.wait_for_step(reached + 3, world_size=2)
+    assert job.wait_workers(a) == survivor, "the surviving worker was restarted instead of pausing in place"
+    replacement = job.wait_workers(b)
+    assert replacement != victim, "the killed worker was not replaced"
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    summary = assert_recovered(job, saved, ON_TWO)
+    assert_same_train_state(summary, reference.summary)
+    evs = events(job)
+    replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
+    assert len(replaced) == 1 and replaced[0].fields["replaced_ranks"] == [1], [(e.kind, e.fields) for e in evs]
+    assert not [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
+        "a full restart happened besides the in-place replacement"
+    resumed = [e for e in evs if e.kind == "in_place_resumed"]
+    assert len(resumed) == 1, [(e.kind, e.fields) for e in evs]
+    # The snapshot of the step before the kill (or the kill's own) is where both continue: at most one step redone.
+    assert resumed[0].fields["step"] >= reached - 1, (resumed[0].fields, reached)
+    assert sum(1 for e in evs if e.kind == "join") == 2, "the agents re-formed the group instead of pausing in place"
+
