@@ -8,8 +8,10 @@ Workload: the reference recipe (elastictrain.recipes.lm, Llama shapes of `SIZES`
 batch 8, one micro-batch of 4 per rank, FSDP2 on gloo) as 2 nodes x 1 worker on localhost, `--nnodes 1:2`, a
 durable checkpoint every 5 steps on a local directory or on the S3 server (`rclone serve s3` on loopback), sample
 ledger on: recovery.py's `Job` with these settings. Configurations, side by side: `stock` (torchrun, c10d, restarts
-from the durable checkpoint), `ours-durable` (`elastictrain run`, etcd, durable tier only) and `ours-snapshot` (the
-same with checkpoint.snapshot_every_steps=1). Launcher settings from recovery.py's CONFS: ours "tuned" (2 s leases,
+from the durable checkpoint), `ours-durable` (`elastictrain run`, etcd, durable tier only), `ours-snapshot` (the
+same with checkpoint.snapshot_every_steps=1) and `ours-in-place` (snapshots and elastic.in_place: a killed worker is
+replaced alone while its peers keep their processes and pause in place; a node kill takes the restart path).
+Launcher settings from recovery.py's CONFS: ours "tuned" (2 s leases,
 1 s last call, 3 s hang floor), stock "defaults" (torch's keep-alives, so a node loss is seen after ~45 s; its
 "tuned" settings split the job into two 1-node jobs under load here, and never admit a re-joining node), both
 changeable with --ours-conf / --stock-conf. A worker kill is seen by both launchers' monitors (0.1 s) alike.
@@ -89,7 +91,9 @@ SIZES: dict[str, dict[str, int]] = {
     "150m": dict(zip(_SHAPE, (1024, 2816, 12, 16, 16))),
 }
 CONFIGS: dict[str, tuple[str, int]] = {  # name -> (launcher, checkpoint.snapshot_every_steps)
-    "stock": ("stock", 0), "ours-durable": ("ours", 0), "ours-snapshot": ("ours", 1)}
+    "stock": ("stock", 0), "ours-durable": ("ours", 0), "ours-snapshot": ("ours", 1), "ours-in-place": ("ours", 1)}
+IN_PLACE = {"ours-in-place"}
+"""Configurations with elastic.in_place: a killed worker is replaced alone, its peers pause in place (#15)."""
 DATA = ["data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=4"]
 
 
@@ -111,6 +115,7 @@ class ScaleJob(Job):
         """`confs`: launcher -> recovery.py's CONFS entry ("tuned" or "defaults"); `rejoin_wait`: ours' survivors
         wait this long for a lost node to come back before they re-form without it."""
         launcher, self.snapshot_every = CONFIGS[config]
+        self.in_place = config in IN_PLACE
         super().__init__(launcher, confs[launcher], work, endpoint)
         self.rejoin_wait = rejoin_wait
         self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
@@ -124,7 +129,8 @@ class ScaleJob(Job):
     def command(self, name: str) -> list[str]:
         sets = [*(f"model.overrides.{k}={v}" for k, v in SIZES[self.size].items()), *DATA,
                 f"checkpoint.url={self.ckpt_url}", f"checkpoint.every_steps={CKPT_EVERY}",
-                f"checkpoint.snapshot_every_steps={self.snapshot_every}"]
+                f"checkpoint.snapshot_every_steps={self.snapshot_every}",
+                *(["elastic.in_place=true"] if self.in_place else [])]
         cmd = super().command(name)
         at = len(cmd) - cmd[::-1].index("--set") + 1  # after recovery.py's last --set: later ones win
         cmd = cmd[:at] + [x for s in sets for x in ("--set", s)] + cmd[at:]

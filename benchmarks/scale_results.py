@@ -80,6 +80,19 @@ def targets(summary: dict, runs: list[dict], sizes: dict[str, dict]) -> dict:
                                 "ge_5x": None if vs_stock is None else vs_stock >= 5,
                                 "ours_snapshot_largest_over_smallest": vs_small,
                                 "le_3x": None if vs_small is None else vs_small <= 3}
+    for st in {k[1] for k in lost}:
+        # Issue #15: a worker kill costs the in-place path at most one step + 1 s, at every size.
+        per_size = {}
+        for s in ordered:
+            cell = summary.get(s, {}).get(st, {}).get("worker_kill", {}).get("ours-in-place")
+            if cell and cell["time_lost_s_median"] is not None and cell["fault_free_step_s_median"] is not None:
+                bound = cell["fault_free_step_s_median"] + 1.0
+                per_size[s] = {"time_lost_s": cell["time_lost_s_median"], "bound_s": round(bound, 3),
+                               "le_1_step_plus_1s": cell["time_lost_s_median"] <= bound,
+                               "stock_over_in_place": _ratio(lost.get((s, st, "worker_kill", "stock")),
+                                                             cell["time_lost_s_median"])}
+        if per_size:
+            out[f"{st}:worker_kill:in_place"] = per_size
     cost = snapshot_cost(runs).get(large, {})
     for st, c in cost.items():
         out[f"{st}:snapshot_cost_at_largest"] = {"ratio": c["ratio_median"],
@@ -109,7 +122,8 @@ def plot(result: dict, path: Path) -> None:
     faults = [f for f in ("worker_kill", "node_kill") if any(f in b for a in summary.values() for b in a.values())]
     fig, axes = plt.subplots(len(faults), len(storages), figsize=(max(6 * len(storages), 9), 4.4 * len(faults)),
                              squeeze=False)
-    colors = {"stock": "tab:orange", "ours-durable": "tab:blue", "ours-snapshot": "tab:green"}
+    colors = {"stock": "tab:orange", "ours-durable": "tab:blue", "ours-snapshot": "tab:green",
+              "ours-in-place": "tab:purple"}
     for i, f in enumerate(faults):
         for j, st in enumerate(storages):
             ax = axes[i, j]

@@ -41,6 +41,7 @@ ENV_GENERATION = "ELASTICTRAIN_IN_PLACE_GENERATION"
 GENERATIONS_PREFIX = "inplace"
 """Under the run's etcd prefix: the generation counter (`gen`) and each generation's c10d store (`g<N>/`)."""
 _POLL_S = 0.05
+_NODES_POLL_S = 0.25
 
 _PEER_FAILURE_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
                          "pair.cc", "nccl", "timed out", "timeout", "abort")
@@ -111,7 +112,7 @@ class InPlace:
         self.replacement = joined is not None
         self._client: Any = None
         self._store: Optional[dist.Store] = None
-        self._prefix = ""
+        self._prefix = self._run_prefix = ""
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> Optional["InPlace"]:
@@ -128,6 +129,7 @@ class InPlace:
             etcd = EtcdSettings.from_conf(s.endpoint, s.run_id, s.conf)
             self._client = EtcdClient(etcd)
             self._client.connect()
+            self._run_prefix = etcd.run_prefix
             self._prefix = f"{etcd.run_prefix}/{GENERATIONS_PREFIX}"
             self._store = generations_store(self._client, etcd.run_prefix)
         return self._store
@@ -139,25 +141,41 @@ class InPlace:
     def read_generation(self) -> int:
         return current_generation(self.store)
 
+
     def wait_next(self, beat: Callable[[], None], stop: Callable[[], bool]) -> int:
         """Wait until the agent of the failed rank started a newer generation than ours; its number.
 
         `beat` keeps the agent's hang detector informed; `stop` (SIGTERM: the agents chose a full restart) ends the
-        wait. Raises `InPlaceFailed` after `timeout_s`.
+        wait. A node of the job that loses its etcd lease meanwhile (a lost node: no agent replaces its ranks) ends
+        it too. Raises `InPlaceFailed` then, and after `timeout_s`.
         """
         assert self.generation is not None, "the loop reads the generation at its start"
         deadline = time.monotonic() + self.settings.timeout_s
+        nodes = self._nodes()
+        checked = time.monotonic()
         while True:
             newest = self.read_generation()
             if newest > self.generation:
                 return newest
             if stop():
                 raise InPlaceFailed("stopped while paused in place (the agents restart every worker)")
+            if time.monotonic() - checked >= _NODES_POLL_S:
+                checked = time.monotonic()
+                lost = sorted(nodes - self._nodes())
+                if lost:
+                    raise InPlaceFailed(f"node(s) {', '.join(lost)} left the job while paused in place; "
+                                        f"restarting every worker instead")
             if time.monotonic() >= deadline:
                 raise InPlaceFailed(f"no replacement joined within {self.settings.timeout_s:g} s "
                                     f"(elastic.in_place_timeout_s); restarting every worker instead")
             beat()
             time.sleep(_POLL_S)
+
+    def _nodes(self) -> set[str]:
+        """The job's live nodes: their lease-bound records (rendezvous/liveness.py)."""
+        self.store  # noqa: B018 - connects
+        prefix = f"{self._run_prefix}/nodes/"
+        return {k.removeprefix(prefix) for k in self._client.get_prefix(prefix)}
 
     def forget(self, generation: int) -> None:
         """Drop an old generation's store keys (rank 0, best effort)."""

@@ -10,13 +10,13 @@ import pytest
 
 from elastictrain.chaos.process_signals import signal_worker
 from tests.chaos.cluster import Job
-from tests.chaos.test_agent_chaos import ON_TWO, assert_recovered, events, start_two
+from tests.chaos.test_agent_chaos import ON_TWO, WAIT_FOR_REJOIN, assert_recovered, events, start_two
 from tests.chaos.test_snapshot_chaos import SNAPSHOTS
 from tests.integration.recipe_runs import assert_same_train_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-IN_PLACE = (*SNAPSHOTS, "elastic.in_place=true")
+IN_PLACE = (*SNAPSHOTS, "elastic.in_place=true", *WAIT_FOR_REJOIN)
 
 
 @pytest.fixture
@@ -26,7 +26,11 @@ def in_place_job(tmp_path, etcd, run_id):
     j.teardown()
 
 
-def test_a_killed_worker_is_replaced_alone_and_the_survivor_keeps_its_process(in_place_job, reference):
+def test_a_killed_worker_is_replaced_alone_then_a_lost_node_falls_back_to_a_restart(in_place_job, reference):
+    """A worker SIGKILL: the survivor keeps its process, only the victim is replaced, at most one step is redone.
+    Then a node SIGKILL (agent and worker: no agent is left to replace its rank) and the same command again: the
+    survivor sees the node's lease expire while paused, gives up the in-place path, and the agents restart every
+    worker and re-form with the re-joined node. Both end bitwise-equal to an uninterrupted run, samples exactly once."""
     job = in_place_job
     a, b = start_two(job)
     survivor, victim = job.wait_workers(a), job.wait_workers(b)
@@ -35,19 +39,23 @@ def test_a_killed_worker_is_replaced_alone_and_the_survivor_keeps_its_process(in
     signal_worker(b.pid, signal.SIGKILL)
     job.wait_for_step(reached + 3, world_size=2)
     assert job.wait_workers(a) == survivor, "the surviving worker was restarted instead of pausing in place"
-    replacement = job.wait_workers(b)
-    assert replacement != victim, "the killed worker was not replaced"
-    assert job.wait([a, b]) == [0, 0], job.logs()
-    summary = assert_recovered(job, saved, ON_TWO)
-    assert_same_train_state(summary, reference.summary)
+    assert job.wait_workers(b) != victim, "the killed worker was not replaced"
     evs = events(job)
     replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
     assert len(replaced) == 1 and replaced[0].fields["replaced_ranks"] == [1], [(e.kind, e.fields) for e in evs]
-    assert not [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
-        "a full restart happened besides the in-place replacement"
     resumed = [e for e in evs if e.kind == "in_place_resumed"]
     assert len(resumed) == 1, [(e.kind, e.fields) for e in evs]
     # The snapshot of the step before the kill (or the kill's own) is where both continue: at most one step redone.
     assert resumed[0].fields["step"] >= reached - 1, (resumed[0].fields, reached)
     assert sum(1 for e in evs if e.kind == "join") == 2, "the agents re-formed the group instead of pausing in place"
 
+    b.kill()
+    b = job.start_node("b")
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    summary = assert_recovered(job, saved, ON_TWO)
+    assert_same_train_state(summary, reference.summary)
+    evs = events(job)
+    assert [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
+        "the node loss did not fall back to a restart of every worker"
+    assert len([e for e in evs if e.kind == "restart" and e.fields.get("in_place")]) == 1, \
+        "a lost node's rank was 'replaced in place' with no agent to start it"
