@@ -76,16 +76,17 @@ def main() -> None:
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
                          fingerprint={"seq_len": a.seq_len, "hidden": a.hidden, "layers": a.layers}, **options):
-            for mb in sampler.micro_batches():
-                tokens = torch.stack([data[i] for i in mb.indices]).to(w.device)
-                model.set_requires_gradient_sync(mb.last)
-                logits = model(input_ids=tokens[:, :-1]).logits.float()
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-                (loss * mb.weight).backward()
-                w.report(loss=loss.detach() * mb.fraction)
-            optim.step()
-            sched.step()
-            optim.zero_grad()
+            with w.guard():  # with elastic.in_place, a peer's failure pauses this process instead of ending it
+                for mb in sampler.micro_batches():
+                    tokens = torch.stack([data[i] for i in mb.indices]).to(w.device)
+                    model.set_requires_gradient_sync(mb.last)
+                    logits = model(input_ids=tokens[:, :-1]).logits.float()
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                    (loss * mb.weight).backward()
+                    w.report(loss=loss.detach() * mb.fraction)
+                optim.step()
+                sched.step()
+                optim.zero_grad()
 
         digest = state.digest()
         if w.is_main and a.out:

@@ -53,15 +53,16 @@ def main() -> None:
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
                          fingerprint={"dim": a.dim, "hidden": a.hidden}, **options):
-            for mb in sampler.micro_batches():
-                x, y = (t.to(w.device) for t in data[mb.indices])
-                model.set_requires_gradient_sync(mb.last)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                (loss * mb.weight).backward()
-                w.report(loss=loss.detach() * mb.fraction)
-            optim.step()
-            sched.step()
-            optim.zero_grad()
+            with w.guard():  # with elastic.in_place, a peer's failure pauses this process instead of ending it
+                for mb in sampler.micro_batches():
+                    x, y = (t.to(w.device) for t in data[mb.indices])
+                    model.set_requires_gradient_sync(mb.last)
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    (loss * mb.weight).backward()
+                    w.report(loss=loss.detach() * mb.fraction)
+                optim.step()
+                sched.step()
+                optim.zero_grad()
 
         digest = state.digest()
         if w.is_main and a.out:

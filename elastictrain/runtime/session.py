@@ -114,6 +114,7 @@ class Session:
     def close(self) -> None:
         if self.in_place is not None:
             self.in_place.close()
+        if dist.is_initialized():
             dist.destroy_process_group()
         if self._tmp is not None:
             self._tmp.cleanup()
