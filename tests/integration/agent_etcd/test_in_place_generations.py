@@ -1,0 +1,74 @@
+"""The process-group generations of pause in place, on a real etcd: a survivor waits for the agent's bump, and gives up
+(to a restart of every worker) when a node of the job leaves, when it is stopped, or after its timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, InPlaceSettings, generations_store, next_generation
+
+
+@pytest.fixture
+def agent_side(etcd, run_id):
+    settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
+    client = EtcdClient(settings)
+    client.connect()
+    client.put(f"{settings.run_prefix}/nodes/a", b"{}")
+    client.put(f"{settings.run_prefix}/nodes/b", b"{}")
+    yield client, settings.run_prefix
+    client.delete_prefix(f"{settings.run_prefix}/")
+    client.close()
+
+
+def _survivor(etcd, run_id, timeout_s: float = 30.0) -> InPlace:
+    worker = InPlace(InPlaceSettings(etcd.endpoint, run_id, {}, timeout_s), rank=0, world_size=2)
+    worker.generation = worker.read_generation()
+    return worker
+
+
+def _later(seconds: float, fn) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(seconds), fn()), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_survivor_joins_the_generation_the_replacing_agent_starts(etcd, run_id, agent_side):
+    client, prefix = agent_side
+    worker = _survivor(etcd, run_id)
+    assert worker.generation == 0
+    beats: list[float] = []
+    _later(0.3, lambda: next_generation(generations_store(client, prefix)))
+    try:
+        assert worker.wait_next(beat=lambda: beats.append(time.monotonic()), stop=lambda: False) == 1
+        assert beats, "the survivor keeps beating (phase paused) while it waits"
+    finally:
+        worker.close()
+
+
+def test_a_node_that_leaves_while_survivors_wait_ends_the_wait_at_once(etcd, run_id, agent_side):
+    client, prefix = agent_side
+    worker = _survivor(etcd, run_id)
+    _later(0.3, lambda: client.delete(f"{prefix}/nodes/b"))  # its lease expired: no agent will replace its ranks
+    started = time.monotonic()
+    try:
+        with pytest.raises(InPlaceFailed, match="node\\(s\\) b left the job"):
+            worker.wait_next(beat=lambda: None, stop=lambda: False)
+        assert time.monotonic() - started < 20, "it gave up on the node's departure, not on the timeout"
+    finally:
+        worker.close()
+
+
+def test_a_stop_or_the_timeout_ends_the_wait(etcd, run_id, agent_side):
+    worker = _survivor(etcd, run_id, timeout_s=0.5)
+    try:
+        with pytest.raises(InPlaceFailed, match="stopped while paused"):
+            worker.wait_next(beat=lambda: None, stop=lambda: True)
+        with pytest.raises(InPlaceFailed, match="elastic.in_place_timeout_s"):
+            worker.wait_next(beat=lambda: None, stop=lambda: False)
+    finally:
+        worker.close()

@@ -1,0 +1,99 @@
+"""The worker side of pause in place (runtime/inplace.py) in one process: which errors count as a peer's failure,
+the settings the agent passes, and rebuilding the process group under a live FSDP2 model (the torch internals the
+path depends on: a new default group takes the old one's name, the mesh resolves to it, FSDP's cached group and a
+failed step's state are reset)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from elastictrain.runtime.inplace import (
+    ENV_IN_PLACE,
+    InPlaceSettings,
+    abort_groups,
+    init_world,
+    is_peer_failure,
+    rebind_fsdp,
+)
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:50087: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the app.")
+
+
+def test_a_dead_peers_collective_error_is_a_peer_failure_and_a_bug_in_the_step_is_not():
+    assert is_peer_failure(RuntimeError(GLOO_RESET))
+    assert is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4313"))
+    assert is_peer_failure(dist.DistNetworkError("connect failed"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"))
+    assert not is_peer_failure(ValueError("Connection reset by peer"))  # not from a collective
+    assert not is_peer_failure(KeyboardInterrupt())
+
+
+def test_settings_reach_the_worker_through_the_environment(monkeypatch):
+    settings = InPlaceSettings("127.0.0.1:2379", "job1", {"lease_ttl": 5, "cacert": "/ca.pem"}, 12.5)
+    monkeypatch.setenv(ENV_IN_PLACE, settings.to_env())
+    assert InPlaceSettings.from_env() == settings
+    monkeypatch.delenv(ENV_IN_PLACE)
+    assert InPlaceSettings.from_env() is None
+
+
+def _store(tmp_path, name: str) -> dist.Store:
+    return dist.FileStore(str(tmp_path / name), 1)
+
+
+@pytest.fixture
+def world(tmp_path):
+    timeout = datetime.timedelta(seconds=30)
+    init_world(_store(tmp_path, "g0"), 0, 1, timeout, torch.device("cpu"))
+    yield timeout
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _model(mesh) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _step(model, optim, seed: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def test_a_rebuilt_group_serves_the_same_mesh_and_fsdp_model_and_a_failed_step_leaves_nothing_behind(world, tmp_path):
+    mesh = init_device_mesh("cpu", (1,))
+    model = _model(mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = _model(init_device_mesh("cpu", (1,)))
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _step(model, optim, 1)
+    _step(reference, ref_optim, 1)
+    # A step that fails half-way: forward done (the hooks ran), gradients of a backward left over.
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    old = dist.distributed_c10d._get_default_group()
+
+    abort_groups()
+    init_world(_store(tmp_path, "g1"), 0, 1, world, torch.device("cpu"))
+    new = dist.distributed_c10d._get_default_group()
+    assert new is not old and new.group_name == old.group_name, "the new group takes the first group's name"
+    assert mesh.get_group(0) is new, "the mesh finds its group by name: the rebuilt one"
+    assert rebind_fsdp(model) == 2, "one FSDP parameter group per layer (the root holds no parameters)"
+    groups = [m._get_fsdp_state()._fsdp_param_groups[0] for m in (model, model[0], model[2])
+              if m._get_fsdp_state()._fsdp_param_groups]
+    assert all(g.mesh_info.shard_process_group is new for g in groups)
+    assert all(p.grad is None for p in model.parameters()), "the failed step's gradients are dropped"
+    _step(model, optim, 2)
+    _step(reference, ref_optim, 2)
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine.full_tensor(), theirs.full_tensor()), "training on the rebuilt group diverged"
