@@ -181,6 +181,8 @@ class ElasticAgent(LocalElasticAgent):
         self._refill_by = 0.0
         self._spares_announced = True
         self.total_steps = 0
+        self._hang_deferred: dict[int, tuple[Any, Any]] | None = None
+        """In place: each local worker's (step, phase) when a hang of waiting workers was deferred (`_defer_hang`)."""
         self.in_place_store: Any = None
         """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
         replaced alone while its peers wait in place. Set before `run`."""
@@ -278,6 +280,7 @@ class ElasticAgent(LocalElasticAgent):
             self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
         if self.in_place_store is not None and isinstance(self._pcontext, WarmContext):
             self._pcontext.keep_survivors = True
+        self._hang_deferred = None
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
         if world in self.peer_step_times:
@@ -331,7 +334,9 @@ class ElasticAgent(LocalElasticAgent):
         that the survivors (here and on the other nodes, paused in place) join. False: not possible here (a hang, an
         error that asks for a full restart, nothing survives), so every worker is restarted instead."""
         ctx = self._pcontext
-        if self.in_place_store is None or not isinstance(ctx, WarmContext) or self._pending_hang:
+        if self.in_place_store is None or not isinstance(ctx, WarmContext):
+            return False
+        if self._pending_hang and not self._kill_hung_culprits(ctx):
             return False
         failures = dict(ctx._failures)
         world = worker_group.workers[0].world_size if worker_group.workers else 0
@@ -344,6 +349,7 @@ class ElasticAgent(LocalElasticAgent):
         except Exception as e:  # noqa: BLE001 - etcd down, no process could start: the full restart may still work
             log.warning("could not replace the failed worker(s) in place (%s); restarting every worker", e)
             return False
+        self._hang_deferred = None
         now = self._clock()
         for lr, pid in pids.items():
             worker_group.workers[lr].id = pid
@@ -355,6 +361,49 @@ class ElasticAgent(LocalElasticAgent):
                    pids={lr: pid for lr, pid in pids.items()}, remaining_restarts=self._remaining_restarts,
                    backoff_s=0.0)
         worker_group.state = WorkerState.HEALTHY
+        return True
+
+    def _kill_hung_culprits(self, ctx: WarmContext) -> bool:
+        """In place, a hang: SIGKILL the hung workers that are stopped or in uninterruptible sleep (the culprits; the
+        others only wait on them in a collective and pause in place once it fails) and record them as failed.
+        False when none is a culprit: a worker that spins without progress cannot be told from a slow one, so every
+        worker is restarted."""
+        culprits = [h for h in self._pending_hang if _process_state(h.pid) in _CULPRIT_STATES]
+        if not culprits:
+            return False
+        for h in culprits:
+            try:
+                os.kill(h.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for h in culprits:
+            handler = ctx.subprocess_handlers[h.local_rank]
+            try:
+                handler.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - not reaped in time (D state): the full restart deals with it
+                return False
+            ctx._running_local_ranks.discard(h.local_rank)
+            ctx._failures[h.local_rank] = ProcessFailure(local_rank=h.local_rank, pid=h.pid,
+                                                        exitcode=-int(signal.SIGKILL),
+                                                        error_file=ctx.error_files[h.local_rank])
+        self._pending_hang = []
+        return True
+
+    def _defer_hang(self, hangs: list[Hang], now: float) -> bool:
+        """In place: workers that are silent only because they wait in a collective on a peer of another node get
+        one more hang timeout. When that peer is the hung one, its own agent kills and replaces it, and these
+        workers' collective fails: they pause in place instead of being restarted. Deferred once per stall: again
+        only after some worker made progress."""
+        if self.in_place_store is None or any(_process_state(h.pid) in _CULPRIT_STATES for h in hangs):
+            return False
+        progress = {lr: (w.step, w.phase) for lr, w in self._health.workers.items()}
+        if self._hang_deferred == progress:
+            return False
+        self._hang_deferred = progress
+        self._health.rebase(now)
+        log.warning("worker(s) %s silent but waiting (%s), not hung themselves: giving a peer's agent one more "
+                    "timeout to replace a hung peer in place", ", ".join(str(h.local_rank) for h in hangs),
+                    ", ".join(_process_state(h.pid) for h in hangs))
         return True
 
     def _charge_restart(self, worker_group: WorkerGroup) -> float:
@@ -419,6 +468,8 @@ class ElasticAgent(LocalElasticAgent):
             if hangs:
                 running = self._running_local_ranks()
                 hangs = [h for h in hangs if h.local_rank in running]
+            if hangs and self._defer_hang(hangs, now):
+                hangs = []
             if hangs:
                 return self._hang_result(worker_group, hangs)
         elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:

@@ -237,6 +237,14 @@ def rebind_fsdp(root: torch.nn.Module) -> int:
             for group in groups:
                 group._all_gather_result = None
             reset()
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            # A backward cut short leaves gradients on the unsharded parameters (FSDP reuses those objects, and its
+            # reset does not clear them): the next backward would add to them. Seen: a replay diverging at once.
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
     for p in root.parameters():
         p.grad = None
     return len(groups)

@@ -79,8 +79,12 @@ def test_a_rebuilt_group_serves_the_same_mesh_and_fsdp_model_and_a_failed_step_l
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
     _step(model, optim, 1)
     _step(reference, ref_optim, 1)
-    # A step that fails half-way: forward done (the hooks ran), gradients of a backward left over.
+    # A step that fails half-way: forward done (the hooks ran), gradients of a backward left over, and what a
+    # backward cut short before FSDP's reduce-scatter leaves on the unsharded parameters.
     model(torch.randn(4, 8)).pow(2).mean().backward()
+    groups = [m._get_fsdp_state()._fsdp_param_groups[0] for m in (model[0], model[2])]
+    for fp in (fp for g in groups for fp in g.fsdp_params):
+        fp._unsharded_param.grad = torch.ones_like(fp._unsharded_param)
     old = dist.distributed_c10d._get_default_group()
 
     abort_groups()
@@ -89,8 +93,6 @@ def test_a_rebuilt_group_serves_the_same_mesh_and_fsdp_model_and_a_failed_step_l
     assert new is not old and new.group_name == old.group_name, "the new group takes the first group's name"
     assert mesh.get_group(0) is new, "the mesh finds its group by name: the rebuilt one"
     assert rebind_fsdp(model) == 2, "one FSDP parameter group per layer (the root holds no parameters)"
-    groups = [m._get_fsdp_state()._fsdp_param_groups[0] for m in (model, model[0], model[2])
-              if m._get_fsdp_state()._fsdp_param_groups]
     assert all(g.mesh_info.shard_process_group is new for g in groups)
     assert all(p.grad is None for p in model.parameters()), "the failed step's gradients are dropped"
     _step(model, optim, 2)
