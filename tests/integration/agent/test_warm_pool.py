@@ -206,3 +206,33 @@ def test_a_scripts_spares_import_torch_and_the_prewarm_modules_before_they_wait_
     finally:
         if pool is not None:
             pool.close()
+
+
+def test_in_place_the_survivor_stays_up_and_only_the_failed_rank_is_started_again(tmp_path):
+    """elastic.in_place: torch's context would stop the survivor on the crash; ours reports the failure, keeps it
+    running, and starts the failed local rank alone, with its own environment plus the generation it joins."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastictrain.agent.warm import WarmContext
+
+    pool = WarmPool(sys.executable, ("-c", _SURVIVOR), size=0)
+    args = {0: ("-c", _SURVIVOR, "0.5", "0", "1"), 1: ("-c", _SURVIVOR, "600", "0", "0")}
+    ctx = WarmContext(pool, name="t", entrypoint=sys.executable, args=args, envs={0: {"RANK": "0"}, 1: {"RANK": "1"}},
+                      logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    ctx.keep_survivors = True
+    ctx.start()
+    try:
+        survivor = ctx.pids()[1]
+        result = ctx.wait(timeout=60)
+        assert result is not None and {lr: f.exitcode for lr, f in result.failures.items()} == {0: 1}
+        assert psutil.Process(survivor).status() != psutil.STATUS_ZOMBIE, "the survivor was stopped"
+        ctx.args[0] = ("-c", _SURVIVOR, "600", "0", "0")  # the replacement runs until it is closed
+        pid = ctx.replace(0, {"ELASTICTRAIN_IN_PLACE_GENERATION": "3"})
+        assert ctx.pids() == {0: pid, 1: survivor} and pid != result.failures[0].pid
+        # (read once the new process has exec'd: a forked child shows an empty environment for a moment)
+        assert _wait(lambda: psutil.Process(pid).environ().get("ELASTICTRAIN_IN_PLACE_GENERATION") == "3")
+        assert psutil.Process(pid).environ().get("RANK") == "0"
+        assert ctx.wait(timeout=1) is None, "the replaced group runs on"
+    finally:
+        ctx.close()
+        pool.close()
