@@ -76,6 +76,15 @@ class LoopHost(Protocol):
     def rebuild_group(self, generation: int) -> None: ...
 
 
+def _short_cause(exc: Optional[BaseException]) -> str:
+    """gloo's one line without its source location and advice: "Read error [127.0.0.1]:50087: Connection reset by
+    peer"."""
+    text = str(exc).splitlines()[0] if exc is not None and str(exc) else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0][:300]
+
+
 def _names_hash(names: list[str]) -> int:
     """Small enough that a sum over thousands of ranks stays exact in float64."""
     return zlib.crc32("\0".join(names).encode()) & 0xFFFFF
@@ -251,7 +260,7 @@ class StepLoop:
         in_place = w.in_place
         assert in_place is not None and self._checkpointer is not None
         failed_step, started = st.step, time.monotonic()
-        cause = str(exc).splitlines()[0][:300] if exc is not None else ""
+        cause = _short_cause(exc)
         log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
                     cause)
         w.heartbeat.beat(failed_step, "paused")
