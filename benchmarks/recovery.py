@@ -69,6 +69,12 @@ CONFS: dict[str, dict] = {
         # elastic.* defaults of the config: lease_ttl 5 s, join grace (last call) 10 s, hang floor 30 s
         "defaults": [],
         "tuned": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3"],
+        # tuned, with in-memory snapshots every step: a restart resumes from the step before the fault (#14)
+        "snapshot": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3",
+                     "--set", "checkpoint.snapshot_every_steps=1"],
+        # the same, recovering in place: a killed worker is replaced alone, its peers keep their processes (#15)
+        "in-place": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3",
+                     "--set", "checkpoint.snapshot_every_steps=1", "--set", "elastic.in_place=true"],
     },
     "stock": {  # --rdzv-conf values (plus is_host, see Job.command)
         "defaults": "",
