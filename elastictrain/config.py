@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -192,6 +193,17 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    dedup: bool = False
+    """Delta checkpoints: each tensor of 256 KiB or more is stored once as a content-addressed blob (`<url>/blobs/`)
+    that later checkpoints reference while its bytes are unchanged (frozen parameters saved in full state); off by
+    default: when every tensor changes each step (full fine-tuning, pre-training) it saves nothing and costs a hash
+    of the whole state per save plus a file per tensor. docs/checkpoints.md "Delta checkpoints"."""
+    dedup_min_bytes: int = 256 << 10
+    """With dedup: tensors (a rank's shard of one) smaller than this stay in the rank's file instead of a blob of
+    their own (a file, an object-store PUT and HEAD each, for a few KB: LoRA matrices, norms, biases)."""
+    compression: Literal["none", "zstd"] = "none"
+    """zstd: compress every item of the checkpoint (torch's own DCP ZStandard transform; needs `zstandard`, the
+    `zstd` extra). Trained fp32/bf16 weights compress little (~10%); see docs/checkpoints.md."""
     async_save: bool = True
     async_mode: Literal["thread", "process"] = "thread"
     save_on_exit: bool = True
@@ -642,7 +654,8 @@ def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> Non
     snapshots = 0 if c.snapshot_every_steps == "auto" else c.snapshot_every_steps
     for name, v in {"checkpoint.every_steps": c.every_steps, "checkpoint.every_seconds": c.every_seconds,
                     "checkpoint.keep_every": c.keep_every, "checkpoint.snapshot_every_steps": snapshots,
-                    "checkpoint.max_consecutive_failures": c.max_consecutive_failures}.items():
+                    "checkpoint.max_consecutive_failures": c.max_consecutive_failures,
+                    "checkpoint.dedup_min_bytes": c.dedup_min_bytes}.items():
         if v < 0:
             raise ConfigError(f"{name} must be >= 0 (got {v}); 0 turns it off")
     parse_memory_size(c.snapshot_memory, "checkpoint.snapshot_memory")
@@ -658,6 +671,9 @@ def validate_checkpoint(c: CheckpointConfig, collective_timeout_s: float) -> Non
         raise ConfigError(f"checkpoint.storage_wait_s={c.storage_wait_s:g} must be >= 0 and below "
                           f"train.collective_timeout_s ({collective_timeout_s:g}): the other ranks wait for "
                           f"rank 0's storage check in a collective")
+    if c.compression == "zstd" and importlib.util.find_spec("zstandard") is None:
+        raise ConfigError("checkpoint.compression=zstd needs the zstandard package on every node: pip install "
+                          "'elastictrain[zstd]' (or zstandard), or set checkpoint.compression: none")
     if c.resume not in ("auto", "never") and "://" not in c.resume and not c.resume.startswith("/"):
         raise ConfigError(f"checkpoint.resume={c.resume!r}: expected auto, never, or a checkpoint URL/path")
 

@@ -18,19 +18,23 @@ copy there; the marker is what makes the checkpoint visible, not the rename).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import posixpath
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional
 
+import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.filesystem import _item_size, _StorageInfo, _write_item
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from elastictrain.checkpoint import blobs as blob_store
 from elastictrain.checkpoint.manifest import (
     DCP_METADATA_NAME,
     MANIFEST_NAME,
@@ -50,6 +54,9 @@ PHASE_HOOK: Optional[Callable[[str, int, int], None]] = None
 """Fault injection for tests: called at each phase of a save with (phase, rank, step)."""
 
 _FILES_FQN = "__elastictrain_files__"
+_BLOBS_FQN = "__elastictrain_blobs__"
+BLOB_FORMAT = 2
+"""Manifest format of a checkpoint that references blobs (an elastictrain that reads only format 1 refuses it)."""
 
 
 def _phase(name: str, rank: int, step: int) -> None:
@@ -80,6 +87,21 @@ class _HashingFileSystem(_FsspecFileSystem):
                 stream.close()
 
 
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What DCP's loader writes: the tensor on the CPU, cloned when a view (torch.save writes the whole storage)."""
+    t = tensor.detach().cpu()
+    if t.untyped_storage().size() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def _serialize(tensor: torch.Tensor) -> bytes:
+    """DCP's serialization of one tensor item (torch.save: deterministic for equal bytes, dtype and shape)."""
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
 def write_commit(storage: Storage, dirname: str, manifest: Manifest, rank: int = 0) -> CommitMarker:
     """Write manifest.json, then the commit marker naming its sha256 (the marker is always last)."""
     data = manifest.to_bytes()
@@ -95,11 +117,22 @@ class CommittingWriter(FsspecWriter):
     """DCP storage writer for one checkpoint directory that checksums its files and commits on finish."""
 
     def __init__(self, storage: Storage, dirname: str, metadata: CheckpointMetadata, *,
-                 thread_count: int = 1) -> None:
+                 thread_count: int = 1, dedup: bool = False, compression: Optional[str] = None,
+                 dedup_min_bytes: int = blob_store.DEDUP_MIN_BYTES) -> None:
         # sync_files=False: DCP's own fsync falls back to a machine-wide os.sync() on object stores;
         # HashingWriter fsyncs local files itself and an object-store close is the durable upload.
+        extensions = None
+        if compression == "zstd":
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            extensions = [ZStandard()]
+        elif compression not in (None, "none"):
+            raise ValueError(f"unknown checkpoint.compression {compression!r} (none or zstd)")
         super().__init__(storage.url_for(dirname), single_file_per_rank=True, sync_files=False,
-                         thread_count=thread_count, overwrite=True, **storage.options)
+                         thread_count=thread_count, overwrite=True, _extensions=extensions, **storage.options)
+        self.dedup = dedup
+        self.dedup_min_bytes = dedup_min_bytes
+        self.compressed = extensions is not None
         self.fs = _HashingFileSystem()
         self.path = self.fs.init_path(storage.url_for(dirname), **storage.options)
         self.storage = storage
@@ -122,22 +155,58 @@ class CommittingWriter(FsspecWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         _phase("before_data", self._rank(), self.metadata.step)
         self.fs.written = []
-        results = super().write_data(plan, planner).value()
+        if self.dedup:
+            results, used = self._write_dedup(plan, planner)
+            results.append(WriteResult(index=MetadataIndex(_BLOBS_FQN), size_in_bytes=0, storage_data=used))
+        else:
+            results = super().write_data(plan, planner).value()
         entries = [e for e in self.fs.written if not e.name.endswith(".tmp")]
         results.append(WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=entries))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
+    def _write_dedup(self, plan: SavePlan, planner: SavePlanner) -> tuple[list[WriteResult], list[FileEntry]]:
+        """This rank's items: the small ones (< dedup_min_bytes) into its `__N_0.distcp`, each large tensor as a
+        content-addressed blob, written only when no blob of the same bytes exists yet (`blobs` module docstring)."""
+        file_name = f"{plan.storage_data.prefix}0.distcp"
+        small = [i for i in plan.items if i.type == WriteItemType.BYTE_IO or _item_size(i) < self.dedup_min_bytes]
+        large = [i for i in plan.items if i not in small]
+        results: list[WriteResult] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as stream:
+            for item in small:
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor):
+                    data = _cpu_tensor(data)
+                results.append(_write_item(self.transforms, stream, data, item, file_name, self.serialization_format))
+        used: dict[str, FileEntry] = {}
+        for item in large:
+            raw = _serialize(_cpu_tensor(planner.resolve_data(item)))
+            digest = sha256_bytes(raw)
+            name = blob_store.blob_name(digest, self.compressed)
+            size = blob_store.stored_size(self.storage, name)
+            if size is None:
+                data = blob_store.compress(raw) if self.compressed else raw
+                blob_store.write_blob(self.storage, name, data)
+                size = len(data)
+            used[name] = FileEntry(name, size, digest)
+            descriptors = [e.get_descriptor() for e in reversed(self.transforms.extensions)] or None
+            results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                       storage_data=_StorageInfo("../" + name, 0, size, descriptors)))
+        return results, list(used.values())
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         rank = self._rank()
         entries: list[FileEntry] = []
+        blob_entries: dict[str, FileEntry] = {}
         dcp_results: list[list[WriteResult]] = []
         for per_rank in results:
             keep = []
             for wr in per_rank:
                 if isinstance(wr.index, MetadataIndex) and wr.index.fqn == _FILES_FQN:
                     entries.extend(wr.storage_data)
+                elif isinstance(wr.index, MetadataIndex) and wr.index.fqn == _BLOBS_FQN:
+                    blob_entries.update((b.name, b) for b in wr.storage_data)
                 else:
                     keep.append(wr)
             dcp_results.append(keep)
@@ -148,7 +217,10 @@ class CommittingWriter(FsspecWriter):
         md = self.storage.read_bytes(self.dirname, DCP_METADATA_NAME)
         entries.append(FileEntry(DCP_METADATA_NAME, len(md), sha256_bytes(md)))
         entries.sort(key=lambda e: e.name)
-        manifest = Manifest(metadata=self.metadata, files=entries)
+        blob_list = sorted(blob_entries.values(), key=lambda e: e.name)
+        manifest = Manifest(metadata=self.metadata, files=entries, blobs=blob_list,
+                            format=BLOB_FORMAT if self.dedup else 1)
         self.committed = write_commit(self.storage, self.dirname, manifest, rank)
-        log.info("committed checkpoint %s (%d files, %.1f MB)", self.storage.url_for(self.dirname),
-                 len(entries), sum(e.size for e in entries) / 1e6)
+        log.info("committed checkpoint %s (%d files, %.1f MB; %d blobs referenced, %.1f MB)",
+                 self.storage.url_for(self.dirname), len(entries), sum(e.size for e in entries) / 1e6,
+                 len(blob_list), sum(b.size for b in blob_list) / 1e6)

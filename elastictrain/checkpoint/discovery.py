@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional
 
+from elastictrain.checkpoint.blobs import is_blob, verify_blob
 from elastictrain.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
@@ -61,8 +62,14 @@ def _group_by_step_dir(files: dict[str, int]) -> dict[str, dict[str, int]]:
     return groups
 
 
-def inspect_dir(storage: Storage, dirname: str, files: dict[str, int]) -> CheckpointInfo:
-    """Classify one step directory from its listing, its marker and its manifest (no data reads)."""
+def _blob_listing(files: dict[str, int]) -> dict[str, int]:
+    return {name: size for name, size in files.items() if is_blob(name)}
+
+
+def inspect_dir(storage: Storage, dirname: str, files: dict[str, int],
+                blobs: Optional[dict[str, int]] = None) -> CheckpointInfo:
+    """Classify one step directory from its listing, its marker and its manifest (no data reads); `blobs`: the
+    listing of the root's blobs (name -> size), to check the ones the manifest references (None: not checked)."""
     step = parse_step_dir(dirname)
     if step is None:
         raise ValueError(f"{dirname!r} is not a checkpoint directory name")
@@ -99,6 +106,14 @@ def inspect_dir(storage: Storage, dirname: str, files: dict[str, int]) -> Checkp
         if found != entry.size:
             info.reason = f"file {entry.name} has {found} bytes, manifest says {entry.size} (truncated?)"
             return info
+    for entry in manifest.blobs if blobs is not None else ():
+        found = blobs.get(entry.name)
+        if found is None:
+            info.reason = f"missing blob {entry.name} (deleted by hand, or by a retention that did not know of it)"
+            return info
+        if found != entry.size:
+            info.reason = f"blob {entry.name} has {found} bytes, manifest says {entry.size} (truncated?)"
+            return info
     info.status = "valid"
     return info
 
@@ -108,16 +123,23 @@ def list_checkpoints(storage: Storage, files: Optional[dict[str, int]] = None) -
     if files is None:
         files = storage.list_files()
     groups = _group_by_step_dir(files)
-    out = [inspect_dir(storage, d, groups[d]) for d in groups]
+    blobs = _blob_listing(files)
+    out = [inspect_dir(storage, d, groups[d], blobs) for d in groups]
     return sorted(out, key=lambda c: c.step, reverse=True)
 
 
 def verify_files(storage: Storage, info: CheckpointInfo, names: Optional[Iterable[str]] = None) -> list[str]:
-    """Read files of a checkpoint back and compare size + sha256 with the manifest; returns the problems."""
+    """Read files of a checkpoint back and compare size + sha256 with the manifest, the blobs it references too
+    (by the sha256 of their decoded bytes; `names` may list blob names, `blobs/...`); returns the problems."""
     if info.manifest is None:
         return [f"{info.dirname}: no manifest"]
     wanted = set(names) if names is not None else None
     problems = []
+    for blob in info.manifest.blobs:
+        if wanted is None or blob.name in wanted:
+            problem = verify_blob(storage, blob)
+            if problem:
+                problems.append(problem)
     for entry in info.manifest.files:
         if wanted is not None and entry.name not in wanted:
             continue
@@ -140,8 +162,9 @@ def find_latest_valid(storage: Storage, verify: bool = False,
     if checkpoints is None:
         files = storage.list_files()
         groups = _group_by_step_dir(files)
+        blobs = _blob_listing(files)
         # Inspect lazily, newest first: a healthy root costs one listing plus two small reads.
-        candidates = (inspect_dir(storage, d, groups[d])
+        candidates = (inspect_dir(storage, d, groups[d], blobs)
                       for d in sorted(groups, key=lambda n: parse_step_dir(n) or -1, reverse=True))
     else:
         candidates = iter(checkpoints)

@@ -18,11 +18,11 @@ import os
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from elastictrain.checkpoint.discovery import CheckpointInfo, find_latest_valid
+from elastictrain.checkpoint.reader import BlobReader
 from elastictrain.checkpoint.storage import Storage, open_storage
 from elastictrain.errors import CheckpointError
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def load_model_state(storage: Storage, info: CheckpointInfo, prefix: str = "model") -> dict[str, torch.Tensor]:
     """The full (unsharded) tensors saved under top-level key `prefix`, keyed by their FQN below it."""
-    reader = FsspecReader(info.url, **storage.options)
+    reader = BlobReader(info.url, **storage.options)
     md = reader.read_metadata()
     keys = {k for k in md.state_dict_metadata if k.startswith(prefix + ".")}
     if not keys:

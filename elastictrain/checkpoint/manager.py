@@ -52,7 +52,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -68,6 +67,7 @@ from elastictrain.checkpoint.discovery import (
     verify_files,
 )
 from elastictrain.checkpoint.manifest import CheckpointMetadata, library_versions, parse_step_dir, step_dir_name
+from elastictrain.checkpoint.reader import BlobReader
 from elastictrain.checkpoint.retention import apply_retention
 from elastictrain.checkpoint.staging import AS_IS as _AS_IS
 from elastictrain.checkpoint.staging import ReusedCpuStager, plain_state_dict
@@ -321,7 +321,9 @@ class CheckpointManager:
                                       versions=library_versions(), extra=self.extra_metadata)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
-        return CommittingWriter(self.storage, dirname, metadata), self.storage.url_for(dirname), time.monotonic()
+        writer = CommittingWriter(self.storage, dirname, metadata, dedup=self.cfg.dedup,
+                                  compression=self.cfg.compression, dedup_min_bytes=self.cfg.dedup_min_bytes)
+        return writer, self.storage.url_for(dirname), time.monotonic()
 
     def _start_async(self, step: int, state: dict[str, Any], begun: tuple[CommittingWriter, str, float],
                      stager: AsyncStager, kind: AsyncCheckpointerType,
@@ -517,7 +519,7 @@ class CheckpointManager:
         """
         if not self.verify_on_load or info.manifest is None:
             return []
-        names = [f.name for f in info.manifest.files]
+        names = [f.name for f in info.manifest.files] + [b.name for b in info.manifest.blobs]
         world = dist.get_world_size(self._ctl_pg) if self._distributed else 1
         me = dist.get_rank(self._ctl_pg) if self._distributed else 0
         try:
@@ -594,7 +596,7 @@ class CheckpointManager:
         verify_s = time.monotonic() - t0
         assert info.manifest is not None
         md = info.manifest.metadata
-        reader = FsspecReader(info.url, **storage.options)
+        reader = BlobReader(info.url, **storage.options)
         try:
             dcp_metadata = reader.read_metadata()
         except Exception as e:

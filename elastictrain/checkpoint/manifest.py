@@ -5,7 +5,8 @@ Layout of one checkpoint, `<url>/step-00000120/`:
 
     __0_0.distcp  __1_0.distcp ...   DCP data, one file per rank (written by each rank)
     .metadata                        DCP's global metadata (written by the coordinator)
-    manifest.json                    every file above with size + sha256, and `CheckpointMetadata`
+    manifest.json                    every file above with size + sha256, and `CheckpointMetadata`; with
+                                     checkpoint.dedup also the blobs (`<url>/blobs/`) it references
     COMMITTED                        the commit marker: step + sha256 of manifest.json; written last
 
 A checkpoint is valid only when COMMITTED exists, names the sha256 of the manifest.json beside it, and
@@ -30,7 +31,9 @@ from typing import Any, Optional
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "COMMITTED"
 DCP_METADATA_NAME = ".metadata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest manifest format this elastictrain reads: 1, plain; 2, references content-addressed blobs
+(`checkpoint.dedup`, checkpoint/blobs.py). A save without blobs still writes format 1."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -90,7 +93,10 @@ class CheckpointMetadata:
 class Manifest:
     metadata: CheckpointMetadata
     files: list[FileEntry]
-    format: int = FORMAT_VERSION
+    format: int = 1
+    blobs: list[FileEntry] = field(default_factory=list)
+    """Blobs below the root (`blobs/<sha256>[.zst]`) that this checkpoint's data refers to: name, stored size,
+    sha256 of the decoded bytes."""
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()
@@ -99,7 +105,8 @@ class Manifest:
     def from_bytes(cls, data: bytes) -> "Manifest":
         raw = json.loads(data)
         return cls(metadata=CheckpointMetadata(**raw["metadata"]),
-                   files=[FileEntry(**f) for f in raw["files"]], format=int(raw.get("format", 1)))
+                   files=[FileEntry(**f) for f in raw["files"]], format=int(raw.get("format", 1)),
+                   blobs=[FileEntry(**b) for b in raw.get("blobs", [])])
 
     def sizes(self) -> dict[str, int]:
         return {f.name: f.size for f in self.files}

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from elastictrain.checkpoint import blobs as blob_store
 from elastictrain.checkpoint.discovery import CheckpointInfo, list_checkpoints, verify_files
 from elastictrain.checkpoint.manifest import MARKER_NAME, parse_step_dir, sha256_stream
 from elastictrain.checkpoint.retention import plan_retention
@@ -281,6 +282,9 @@ def _detail(storage: Storage, info: CheckpointInfo, problem: str) -> FileProblem
     """Expected (manifest) vs actual (re-read) for one problem reported by `verify_files`."""
     assert info.manifest is not None
     entry = next((e for e in info.manifest.files if problem.startswith(e.name + ":")), None)
+    blob = next((b for b in info.manifest.blobs if problem.startswith(b.name + ":")), None)
+    if blob is not None:  # a referenced blob (checkpoint.dedup): named from the root, it may be shared
+        return FileProblem(file=blob.name, problem=problem.split(": ", 1)[-1], expected_size=blob.size)
     if entry is None:
         return FileProblem(file=info.dirname, problem=problem)
     fp = FileProblem(file=f"{info.dirname}/{entry.name}", problem=problem.split(": ", 1)[-1],
@@ -384,6 +388,14 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         _guarded(storage, "delete from", lambda c=c: delete_checkpoint(storage, c))
         log.info("ckpt prune: deleted %s (%s)", c.url, _why(c, args.keep_last))
         _out(f"deleted {c.url}\n")
+    # Blobs (checkpoint.dedup): only those the deleted checkpoints referenced and no kept one does. Not every
+    # unreferenced blob: a job saving meanwhile may have written blobs its uncommitted checkpoint will reference
+    # (the job's own retention collects leftovers between its saves).
+    orphans = blob_store.referenced(c.manifest for c in doomed) - blob_store.referenced(c.manifest for c in kept)
+    if orphans:
+        files = {n: s for n, s in _guarded(storage, "list", storage.list_files).items() if n in orphans}
+        gone = _guarded(storage, "delete from", lambda: blob_store.collect(storage, set(files) - orphans, files))
+        _out(f"deleted {len(gone)} blob(s) only the deleted checkpoints referenced\n")
     return 0
 
 
