@@ -230,14 +230,41 @@ class ScriptJob(Job):
         """What an uninterrupted run consumes at `step` (the script's sampler: seed 0)."""
         return expected_samples(step, self.num_samples, seed=0, global_batch=self.global_batch)
 
+    def uninterrupted_command(self, nproc: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                *self.script]
+
     def run_uninterrupted(self, nproc: int) -> dict:
         """The script under plain torchrun, `nproc` ranks, to its end (see `Job.run_uninterrupted`); rank 0's
         summary."""
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *self.script]
-        r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+        r = subprocess.run(self.uninterrupted_command(nproc), cwd=REPO, env=worker_env(), capture_output=True,
+                           text=True, timeout=600)
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
         return self.summary()
+
+    def start_uninterrupted(self, nproc: int) -> subprocess.Popen:
+        """`run_uninterrupted` in the background (its own session; output in `uninterrupted_log()`): a reference
+        that runs while a chaos job waits; `finish_uninterrupted` waits for its exit code."""
+        log = open(self.out / "uninterrupted.log", "w")
+        try:
+            return subprocess.Popen(self.uninterrupted_command(nproc), cwd=REPO, env=worker_env(), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+
+    def finish_uninterrupted(self, proc: subprocess.Popen, timeout: float = 600) -> int:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the uninterrupted run did not finish within {timeout}s") from None
+
+    def stop_uninterrupted(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            kill_node(proc.pid)  # SIGKILL its process group (torchrun and its ranks)
+        proc.wait(timeout=30)
+
+    def uninterrupted_log(self) -> str:
+        return (self.out / "uninterrupted.log").read_text(errors="replace")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -36,13 +38,38 @@ WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
 """The survivor waits for the node that left to come back, so every step runs on 2 ranks (see test_agent_chaos)."""
 
 
+class BackgroundReference:
+    """rank 0's summary of an uninterrupted run of the script on 2 ranks (plain torchrun), run in the background
+    from `start()` (a test starts it where its job mostly waits) to `summary()`."""
+
+    def __init__(self, job: ScriptJob) -> None:
+        self.job = job
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.proc = self.job.start_uninterrupted(2)
+
+    def summary(self) -> dict:
+        self.start()
+        assert self.job.finish_uninterrupted(self.proc) == 0, self.job.uninterrupted_log()[-4000:]
+        summary = self.job.summary()
+        assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
+        return summary
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.job.stop_uninterrupted(self.proc)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """rank 0's summary of an uninterrupted run of the script on 2 ranks (plain torchrun)."""
-    job = ScriptJob(tmp_path_factory.mktemp("reference"), endpoint="", run_id="reference", steps=STEPS)
-    summary = job.run_uninterrupted(2)
-    assert (summary["step"], summary["world_size"]) == (STEPS, 2), summary
-    return summary
+def reference(tmp_path_factory) -> Iterator[BackgroundReference]:
+    ref = BackgroundReference(ScriptJob(tmp_path_factory.mktemp("reference"), endpoint="", run_id="reference",
+                                        steps=STEPS))
+    try:
+        yield ref
+    finally:
+        ref.close()
 
 
 @pytest.fixture
@@ -95,9 +122,12 @@ def test_worker_faults_then_a_node_sigkill_restart_the_script_and_it_ends_bitwis
     stopped_in = max(r["seq"] for r in job.records())
     job.wait_for_step(THIRD_FAULT_STEP, world_size=2, after_seq=stopped_in)
     b.kill()
+    # The hang is behind us: the reference may load the CPU now (while a waits for b's lease to expire), not before,
+    # where slower steps would lengthen the hang timeout (5 x p99 step time).
+    reference.start()
     b2 = job.start_node("b-rejoined", STEP_FLOOR)
     assert job.wait([a, b2]) == [0, 0], job.logs()
-    assert_bitwise(assert_exactly_once(job, ON_TWO), reference)
+    assert_bitwise(assert_exactly_once(job, ON_TWO), reference.summary())
     assert len({r["launch"] for r in job.records()}) >= 4, "the three faults landed mid-run (four launches)"
     used, events = restarts_and_events(job.endpoint, job.run_id)
     assert used >= 2 and any(e.kind == "failure" for e in events), [(e.kind, e.fields) for e in events]
