@@ -22,6 +22,7 @@ from typing import Any, Optional
 from elastictrain.agent.budget import RestartBudget, RestartPolicy
 from elastictrain.agent.control import ControlRequest, pause_key
 from elastictrain.agent.hang_attribution import HangCulprit, attribute
+from elastictrain.agent.ledger import for_job
 from elastictrain.agent.status import Event, JobRecord, NodeStatus, read_events, read_job, read_nodes
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Member:
     stragglers_replaced: dict[str, int] = field(default_factory=dict)
     last_replacement: Optional[dict[str, Any]] = None
     """See NodeStatus: the stragglers this node's agent replaced."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Per local rank: local_rank, pid, step, phase, heartbeat_age_s (as of now): where a straggler stands out."""
 
 
 @dataclass
@@ -103,6 +106,8 @@ class JobView:
     checkpoint_url: Optional[str] = None
     checkpoint_checked: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
+    ledger: Optional[dict[str, Any]] = None
+    """The time ledger (`ledger.py` Ledger.to_dict): buckets, ETTR, the cost of each fault."""
     last_hang: Optional[HangCulprit] = None
     """The rank the newest hang started at, judged from every node's hang events (read with the events)."""
     time: float = 0.0
@@ -128,7 +133,10 @@ def _member(n: NodeStatus, now: float, stale_after_s: float, superseded_at: floa
                   step_time_s=n.step_time_s, updated_age_s=round(age, 1), state_since=n.state_since,
                   last_event=n.last_event, snapshot_step=n.snapshot_step, replicated_step=n.replicated_step,
                   replica_peer=n.replica_peer, stragglers=n.stragglers,
-                  stragglers_replaced=n.stragglers_replaced, last_replacement=n.last_replacement)
+                  stragglers_replaced=n.stragglers_replaced, last_replacement=n.last_replacement,
+                  ranks=[{"local_rank": w.local_rank, "pid": w.pid, "step": w.step, "phase": w.phase,
+                          "heartbeat_age_s": None if w.heartbeat_age_s is None else round(w.heartbeat_age_s + age, 1)}
+                         for w in n.workers])
 
 
 def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested: bool = False,
@@ -216,7 +224,7 @@ def read_rendezvous(client: Any, run_prefix: str) -> Optional[Rendezvous]:
         return None
 
 
-def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
+def collect(target: Any, *, events: int = 10, checkpoint: bool = True, ledger: bool = True,
             stale_after_s: float = DEFAULT_STALE_AFTER_S,
             max_recovering_s: float = DEFAULT_MAX_RECOVERING_S) -> JobView:
     """Read everything `status` shows and judge it."""
@@ -228,8 +236,10 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
     pause = client.get(pause_key(prefix))
     job: Optional[JobRecord] = read_job(client, prefix)
     policy = RestartPolicy(**job.restart_policy) if job is not None and job.restart_policy else RestartPolicy()
-    restarts = RestartBudget(client, prefix, policy=policy).state()
-    view = derive(target.settings.run_id, nodes, time.time(), pause_requested=pause is not None,
+    budget = RestartBudget(client, prefix, policy=policy)
+    restarts = budget.state()
+    now = time.time()
+    view = derive(target.settings.run_id, nodes, now, pause_requested=pause is not None,
                   pause_since=ControlRequest.from_json(pause[0]).time if pause else None,
                   fatal=restarts.fatal.cause if restarts.fatal else None,
                   stale_after_s=stale_after_s, max_recovering_s=max_recovering_s)
@@ -246,8 +256,10 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True,
             if found is not None:
                 view.checkpoint = CheckpointView(step=found[0], age_s=round(time.time() - found[1], 1),
                                                  url=found[2])
-    if events:
+    if events or ledger:
         log = read_events(client, prefix)
-        view.events = [event_dict(e) for e in log[-events:]]
+        view.events = [event_dict(e) for e in log[-events:]] if events else []
         view.last_hang = attribute(log)
+        if ledger:
+            view.ledger = for_job(log, budget.records(), job, nodes, now).to_dict()
     return view

@@ -9,6 +9,17 @@ training time. The checkpoint age needs a listing of the checkpoint root: it is 
     elastictrain_worker_heartbeat_age_seconds  per local rank, seconds since its last heartbeat
     elastictrain_checkpoint_step / _age_seconds the newest valid checkpoint
     elastictrain_node_up{state}                1 for this node's current state
+
+The job's time ledger (`ledger.py`; job-wide, the same on every node: aggregate with max, not sum), read from etcd
+at most every `ledger_cache_s`:
+
+    elastictrain_time_seconds{bucket}          wall time per bucket: training, checkpoint, paused, detecting,
+                                               restarting, loading, recomputing, starting (they add up to the next)
+    elastictrain_wall_seconds                  wall time since the job began
+    elastictrain_ettr                          effective training time ratio: training / wall
+    elastictrain_faults_total{kind}            faults so far, by kind (worker failure, hang, node lost, ...)
+    elastictrain_fault_lost_seconds_total{kind} seconds they cost (detect + restart + load + recompute)
+    elastictrain_recomputed_steps_total        steps run again after faults
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from elastictrain.agent.ledger import Ledger
 from elastictrain.agent.status import NodeStatus
 
 log = logging.getLogger(__name__)
@@ -52,8 +64,10 @@ def latest_checkpoint(url: Optional[str]) -> Optional[tuple[int, float, str]]:
 
 class AgentCollector(Collector):
     def __init__(self, snapshot: Callable[[], NodeStatus], ckpt_url: Optional[str],
-                 ckpt_cache_s: float = DEFAULT_CKPT_CACHE_S):
+                 ckpt_cache_s: float = DEFAULT_CKPT_CACHE_S, ledger: Optional[Callable[[], Optional[Ledger]]] = None):
+        """`ledger`: the job's time ledger (default: the `ledger` method of `snapshot`'s publisher, if any)."""
         self._snapshot, self._url, self._cache_s = snapshot, ckpt_url, ckpt_cache_s
+        self._ledger = ledger if ledger is not None else getattr(getattr(snapshot, "__self__", None), "ledger", None)
         self._ckpt: Optional[tuple[int, float, str]] = None
         self._ckpt_at = -1e18
         self._lock = threading.Lock()
@@ -100,11 +114,41 @@ class AgentCollector(Collector):
         up = GaugeMetricFamily("elastictrain_node_up", "1 for this node's current state", labels=["node", "state"])
         up.add_metric([st.node, st.state], 1.0)
         yield up
+        yield from self._ledger_metrics()
         ckpt = self._checkpoint()
         if ckpt is not None:
             yield from gauge("elastictrain_checkpoint_step", "Step of the newest valid checkpoint", ckpt[0])
             yield from gauge("elastictrain_checkpoint_age_seconds", "Age of the newest valid checkpoint",
                              max(0.0, time.time() - ckpt[1]))
+
+
+    def _ledger_metrics(self) -> Iterator[Any]:
+        led = self._ledger() if self._ledger is not None else None
+        if led is None:
+            return
+        t = GaugeMetricFamily("elastictrain_time_seconds", "The job's wall time per bucket of its time ledger",
+                              labels=["bucket"])
+        for bucket, seconds in led.buckets.items():
+            t.add_metric([bucket], seconds)
+        yield t
+        yield GaugeMetricFamily("elastictrain_wall_seconds", "Wall time since the job began", value=led.wall_s)
+        if led.ettr is not None:
+            yield GaugeMetricFamily("elastictrain_ettr", "Effective training time ratio: useful training time / "
+                                    "wall time", value=led.ettr)
+        faults = CounterMetricFamily("elastictrain_faults", "Faults that interrupted training, by kind",
+                                     labels=["kind"])
+        lost = CounterMetricFamily("elastictrain_fault_lost_seconds", "Seconds faults cost (detect, restart, load, "
+                                   "recompute), by kind", labels=["kind"])
+        by_kind: dict[str, list[float]] = {}
+        for f in led.faults:
+            by_kind.setdefault(f.kind, []).append(f.lost_s)
+        for kind, costs in sorted(by_kind.items()):
+            faults.add_metric([kind], float(len(costs)))
+            lost.add_metric([kind], sum(costs))
+        yield faults
+        yield lost
+        yield CounterMetricFamily("elastictrain_recomputed_steps", "Steps run again after faults",
+                                  value=float(led.recomputed_steps))
 
 
 class MetricsServer:

@@ -26,9 +26,12 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import psutil
+
+from elastictrain.agent.ledger import FAULT_COST_EVENT, Ledger, for_job
 from elastictrain.rendezvous.client import EtcdClient
 
 if TYPE_CHECKING:
@@ -38,10 +41,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATUS_INTERVAL_S = 2.0
 """How often each agent rewrites its node status."""
+LEDGER_CACHE_S = 10.0
+"""How long the metrics endpoint reuses the time ledger it read from etcd."""
 MAX_QUEUED_EVENTS = 10_000
 """Events kept while etcd cannot be written (a long outage); beyond, the oldest are dropped."""
 
 # event kind -> the node state it leaves behind
+_FAULT_KINDS = {"failure", "hang", "restart", "reform", "join", "in_place_resumed"}
+"""Events after which this node may have a fault's cost to report (see `_report_faults`)."""
+_PROGRESS_KINDS = {"checkpoint_saved", "succeeded"}
+"""Events that say the group got further: the moment a fault's recomputation may be over."""
 _STATE_AFTER = {"join": "running", "failure": "recovering", "hang": "recovering", "restart": "rendezvous",
                 "succeeded": "succeeded", "leave": "left", "drain": "left", "budget_exhausted": "failed",
                 "crash_loop": "failed", "no_progress": "failed", "fatal": "failed"}
@@ -153,6 +162,10 @@ class EtcdStatusPublisher:
         self._thread: Optional[threading.Thread] = None
         self.snapshot_probe: Optional[Callable[[], tuple[Optional[int], Optional[int], Optional[str]]]] = None
         """(snapshot step, replicated step, replica peer) of this node's snapshot tier, read at each publish."""
+        self._faults_open = False
+        self._ledger: Optional[Ledger] = None
+        self._ledger_at = -1e18
+        """A fault may await its `fault_cost` event (set by fault events, cleared once every fault is reported)."""
 
     @property
     def status_key(self) -> str:
@@ -178,8 +191,10 @@ class EtcdStatusPublisher:
             if state != self.status.state:
                 self.status.state_since = now
             self.status.state = state
-            if not kind.startswith(("checkpoint_", "straggler")):  # a worker's report is news, not the node's doing
-                self.status.last_event = kind
+            if kind in _FAULT_KINDS:
+                self._faults_open = True
+            if not kind.startswith(("checkpoint_", "straggler", FAULT_COST_EVENT)):
+                self.status.last_event = kind  # a worker's report is news, not the node's doing
             if kind == "straggler" and isinstance(fields.get("slow_rank"), int):
                 keep = ("step", "lateness_s", "score")
                 self.status.stragglers[str(fields["slow_rank"])] = {k: fields.get(k) for k in keep}
@@ -200,6 +215,7 @@ class EtcdStatusPublisher:
 
     def flush(self) -> None:
         """Write the queued events, then the node status (on the caller's thread)."""
+        progressed = False
         while True:
             with self._lock:
                 if not self._events:
@@ -214,7 +230,34 @@ class EtcdStatusPublisher:
                 self._events.popleft()
             if ev.kind == "checkpoint_saved" and self.budget is not None and isinstance(ev.fields.get("step"), int):
                 self.budget.note_committed(ev.fields["step"])  # what the restart policy calls progress
+            progressed = progressed or ev.kind in _PROGRESS_KINDS
+        if progressed and self._faults_open and self.status.group_rank == 0:
+            self._report_faults()
         self.publish()
+
+    def _report_faults(self) -> None:
+        """One `fault_cost` event per fault whose cost is final (its steps recomputed), written once, by the node of
+        group rank 0: the time ledger (`ledger.py`) over the job's records in etcd, as every reader computes it."""
+        try:
+            events = read_events(self.client, self.prefix)
+            restarts = self.budget.records() if self.budget is not None else []
+            led = for_job(events, restarts, read_job(self.client, self.prefix),
+                          read_nodes(self.client, self.prefix), time.time())
+        except Exception as e:  # etcd down: the next save tries again
+            log.debug("could not read the job's records for its fault costs: %s", e)
+            return
+        reported = {round(e.fields.get("fault_at", 0.0), 3) for e in events if e.kind == FAULT_COST_EVENT}
+        still_open = False
+        for f in led.faults:
+            if round(f.at, 3) in reported:
+                continue
+            if not f.complete:
+                still_open = True
+                continue
+            fields = f.to_dict()
+            fields["fault_at"] = fields.pop("at")
+            self.on_event(FAULT_COST_EVENT, {**fields, "ettr": led.ettr})
+        self._faults_open = still_open
 
     def publish(self) -> None:
         with self._lock:
@@ -238,6 +281,22 @@ class EtcdStatusPublisher:
             self.client.put(self.status_key, payload)
         except Exception as e:
             log.debug("status publish failed: %s", e)
+
+    def ledger(self) -> Optional[Ledger]:
+        """The job's time ledger from etcd (for the metrics endpoint), read at most every `LEDGER_CACHE_S`."""
+        with self._lock:
+            if time.monotonic() - self._ledger_at < LEDGER_CACHE_S:
+                return self._ledger
+        try:
+            got = for_job(read_events(self.client, self.prefix),
+                          self.budget.records() if self.budget is not None else [],
+                          read_job(self.client, self.prefix), read_nodes(self.client, self.prefix), time.time())
+        except Exception as e:  # etcd down: the last one, the scrape still answers
+            log.debug("could not read the job's time ledger: %s", e)
+            return self._ledger
+        with self._lock:
+            self._ledger, self._ledger_at = got, time.monotonic()
+        return got
 
     def snapshot(self) -> NodeStatus:
         """A copy of the last published status (for the metrics endpoint)."""
@@ -284,11 +343,28 @@ def job_key(run_prefix: str) -> str:
 
 
 def publish_job(client: EtcdClient, run_prefix: str, record: JobRecord) -> None:
-    """Write the job record; an etcd error is logged, never raised (status is best effort)."""
+    """Write the job record; an etcd error is logged, never raised (status is best effort).
+
+    `started` stays the earliest any agent of the same job wrote: a node that re-joins (or a whole job started
+    again with the same run id and config) continues the job, whose wall time the time ledger counts from there."""
     try:
+        record = replace(record, started=min(record.started, _process_started()))
+        got = client.get(job_key(run_prefix))
+        if got is not None:
+            old = JobRecord.from_json(got[0])
+            if old.fingerprint == record.fingerprint and old.steps == record.steps and old.started < record.started:
+                record = replace(record, started=old.started)
         client.put(job_key(run_prefix), json.dumps(asdict(record)).encode())
     except Exception as e:
         log.warning("could not publish the job record to etcd: %s", e)
+
+
+def _process_started() -> float:
+    """When this agent's process started: the job began then, not once its imports were done."""
+    try:
+        return float(psutil.Process(os.getpid()).create_time())
+    except psutil.Error:  # unreadable: the caller's time
+        return float("inf")
 
 
 def read_job(client: EtcdClient, run_prefix: str) -> Optional[JobRecord]:

@@ -78,6 +78,7 @@ def render(view: JobView) -> str:
         out.append(f"checkpoint: none valid yet under {view.checkpoint_url}")
     else:
         out.append(f"checkpoint: not checked ({view.checkpoint_url})")
+    out += _ledger(view)
     out += _snapshots(view)
     out += _stragglers(view)
     if view.last_hang is not None:
@@ -96,6 +97,31 @@ def render(view: JobView) -> str:
         out.append("recent events:")
         out += [f"  {format_event(e)}" for e in view.events]
     return "\n".join(out)
+
+
+LAST_FAULTS = 3
+"""Faults whose cost `status` shows (all of them: `elastictrain events --kind fault_cost`)."""
+
+
+def _ledger(view: JobView) -> list[str]:
+    """ETTR, where the wall time went, and what the newest faults cost."""
+    led = view.ledger
+    if not led or not led.get("wall_s"):
+        return []
+    b, wall = led["buckets"], led["wall_s"]
+    parts = ", ".join(f"{k} {_ago(v)}" for k, v in b.items() if v >= 0.05 and k != "training")
+    ettr = led.get("ettr")
+    out = [f"ETTR:       {100 * ettr:.1f}% ({_ago(b['training'])} useful training of {_ago(wall)} wall time"
+           f"{'; ' + parts if parts else ''})" if ettr is not None else "ETTR:       -"]
+    faults = led.get("faults") or []
+    if faults:
+        lost = sum(f["lost_s"] for f in faults)
+        out.append(f"faults:     {len(faults)}, {_ago(lost)} lost, {led.get('recomputed_steps', 0)} step(s) recomputed")
+    for f in faults[-LAST_FAULTS:]:
+        out.append(f"  {_clock(f['at'])} {f['kind']}: lost {_ago(f['lost_s'])}{'' if f['complete'] else ' so far'} "
+                   f"(detect {_ago(f['detection_s'])}, restart {_ago(f['restart_s'])}, load {_ago(f['load_s'])}, "
+                   f"recompute {f['recomputed_steps']} step(s) {_ago(f['recompute_s'])}); {_short(f['cause'], 70)}")
+    return out
 
 
 def _snapshots(view: JobView) -> list[str]:

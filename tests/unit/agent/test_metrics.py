@@ -3,6 +3,7 @@
 import time
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastictrain.agent.metrics import AgentCollector, MetricsServer
@@ -48,3 +49,25 @@ def test_scrape_answers_without_a_step_or_checkpoint_yet():
         server.close()
     assert ("elastictrain_step", (("node", "n1"),)) not in got
     assert got[("elastictrain_node_up", (("node", "n1"), ("state", "starting")))] == 1
+
+
+def test_scrape_reports_the_time_ledger_buckets_ettr_and_fault_costs():
+    from elastictrain.agent.ledger import compute
+
+    log = [{"time": t, "node": n, "kind": k, "fields": f} for t, n, k, f in (
+        (2, "a", "join", {}), (10, "b", "failure", {"cause": "x"}), (12, "a", "join", {}),
+        (13, "a", "checkpoint_loaded", {"step": 0}), (20, "a", "succeeded", {}))]
+    led = compute(log, started=0.0, now=30.0, final_step=10)
+    st = NodeStatus(node="n1", host="h", agent_pid=1, state="running")
+    server = MetricsServer(AgentCollector(lambda: st, None, ledger=lambda: led), 0, "127.0.0.1")
+    try:
+        got = _scrape(server.port)
+    finally:
+        server.close()
+    assert got[("elastictrain_wall_seconds", ())] == 20
+    assert sum(v for (name, _), v in got.items() if name == "elastictrain_time_seconds") == pytest.approx(20)
+    assert got[("elastictrain_time_seconds", (("bucket", "restarting"),))] == 2
+    assert got[("elastictrain_ettr", ())] == led.ettr
+    assert got[("elastictrain_faults_total", (("kind", "worker failure"),))] == 1
+    assert got[("elastictrain_fault_lost_seconds_total", (("kind", "worker failure"),))] == led.faults[0].lost_s
+    assert ("elastictrain_recomputed_steps_total", ()) in got

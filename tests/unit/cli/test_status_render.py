@@ -118,3 +118,20 @@ def test_status_says_which_straggler_a_node_replaced_and_how_often_also_after_it
     assert "replaced:   rank 1 on b (drain) at step 52, 0.151s late per step; this node so far: 1 drain, " \
            "1 restart" in text
     assert "replaced:" not in render(derive("demo", [node("a", step=60)], NOW)), "no line without a replacement"
+
+
+def test_status_shows_the_ettr_where_the_time_went_and_what_the_last_faults_cost():
+    from elastictrain.agent.ledger import compute
+
+    log = [{"time": NOW - 100 + t, "node": n, "kind": k, "fields": f} for t, n, k, f in (
+        (2, "a", "join", {}), (2, "b", "join", {}), (40, "b", "failure", {"cause": "rank 1: Signal 9 (SIGKILL)"}),
+        (40.1, "b", "restart", {"reason": "failure"}), (44, "a", "join", {}), (44, "b", "join", {}),
+        (46, "a", "checkpoint_loaded", {"step": 20}))]
+    v = _view()
+    v.ledger = compute(log, restarts=[{"time": NOW - 60, "step": 24}], started=NOW - 100, now=NOW,
+                       current_step=40).to_dict()
+    text = render(v)
+    assert "ETTR:       " in text and "useful training of 100s wall time" in text
+    assert "faults:     1, " in text and "4 step(s) recomputed" in text
+    line = next(ln for ln in text.splitlines() if "worker failure: lost" in ln)
+    assert "restart 4.0s, load 2.0s, recompute 4 step(s)" in line and "SIGKILL" in line

@@ -1,0 +1,409 @@
+"""The time ledger of a job: where its wall time went, what each fault cost, and its ETTR.
+
+A pure function (`compute`) over what the agents already record in etcd for the run: the event log
+(`status.py`), the restart records (`budget.py`) and the step the nodes report now. Every reader (`elastictrain
+status`, `events`, the dashboard, the metrics endpoint, the `fault_cost` event) calls it on the same inputs, so
+they all show the same numbers, and it is tested on plain event lists.
+
+The job's wall time (from its first record to its end, or now) is cut into buckets that add up to it:
+
+    starting     job start -> the first group trains (rendezvous, worker start, first load)
+    training     useful training: steps run for the first time, less the three below
+    checkpoint   training blocked on checkpoint saves (`checkpoint_saved` blocking_s)
+    paused       paused by an operator (`elastictrain pause` until `resume`, as the agents relayed it)
+    detecting    a fault happened -> an agent noticed (hang: the silence; failure: `last_beat_age_s` when known)
+    restarting   noticed -> the new group formed (stop, backoff, rendezvous, re-join, in-place rebuild)
+    loading      the group formed -> its state loaded (checkpoint or snapshot)
+    recomputing  steps run again because the state loaded is older than the step reached before the fault
+
+ETTR = training / wall. Recomputed steps: the step reached before a fault (restart record, hang report,
+in-place report, newest save) minus the step the next group loaded; their seconds at the next group's own pace.
+
+What the log cannot say is estimated, and documented here: a worker crash is noticed within the agent's monitor
+interval, so without `last_beat_age_s` its detection counts 0 s (the time is in `training`); a group that loaded
+nothing starts training when its last node joined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Optional
+
+BUCKETS = ("training", "checkpoint", "paused", "detecting", "restarting", "loading", "recomputing", "starting")
+LOST_BUCKETS = ("detecting", "restarting", "loading", "recomputing")
+"""What a fault costs (the other non-training buckets are the job's own choice: saves, pauses, start-up)."""
+
+FAULT_COST_EVENT = "fault_cost"
+_INTERRUPTS = {"failure", "hang", "restart", "reform"}
+_LOADS = {"checkpoint_loaded", "checkpoint_snapshot_loaded"}
+_NOT_TRAINING = _INTERRUPTS | _LOADS | {"join", "leave", "drain", "operator", FAULT_COST_EVENT, "in_place_resumed",
+                                        "fatal", "budget_exhausted", "crash_loop", "no_progress", "succeeded"}
+_ENDS = {"succeeded", "fatal", "budget_exhausted", "crash_loop", "no_progress"}
+
+
+@dataclass
+class FaultCost:
+    """One interruption of training and what it cost, in seconds of the job's wall time."""
+
+    at: float
+    """Unix time an agent noticed it (its first event)."""
+    cause: str
+    kind: str
+    """failure, hang, restart (membership change), reform (drain)."""
+    node: str
+    detection_s: float
+    restart_s: float
+    load_s: float
+    recomputed_steps: int
+    recompute_s: float
+    lost_s: float
+    step_reached: Optional[int]
+    """The highest step the group reached before it."""
+    resumed_step: Optional[int]
+    """The step the next group loaded (None: it is still re-forming)."""
+    resumed_at: Optional[float]
+    """Unix time the next group was training again (None: not yet)."""
+    complete: bool
+    """The next group is past `step_reached` (or the job ended): the numbers are final."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Ledger:
+    started: float
+    until: float
+    wall_s: float
+    buckets: dict[str, float]
+    faults: list[FaultCost] = field(default_factory=list)
+    ended: bool = False
+
+    @property
+    def ettr(self) -> Optional[float]:
+        return round(self.buckets["training"] / self.wall_s, 4) if self.wall_s > 0 else None
+
+    @property
+    def recomputed_steps(self) -> int:
+        return sum(f.recomputed_steps for f in self.faults)
+
+    def lost_by_cause(self) -> dict[str, float]:
+        """Seconds lost to faults, by kind (the dashboard's bar), plus the other non-training buckets."""
+        out: dict[str, float] = {}
+        for f in self.faults:
+            out[f.kind] = round(out.get(f.kind, 0.0) + f.lost_s, 3)
+        for b in ("checkpoint", "paused", "starting"):
+            if self.buckets[b] > 0:
+                out[b] = self.buckets[b]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"started": self.started, "until": self.until, "wall_s": round(self.wall_s, 3),
+                "buckets": self.buckets, "ettr": self.ettr, "recomputed_steps": self.recomputed_steps,
+                "lost_by_cause": self.lost_by_cause(), "ended": self.ended,
+                "faults": [f.to_dict() for f in self.faults]}
+
+
+@dataclass
+class _Ev:
+    time: float
+    node: str
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass
+class _Gap:
+    """An interruption being read: from its first event to the group training again."""
+
+    at: float
+    kind: str
+    cause: str
+    node: str
+    detection_s: float = 0.0
+    step_reached: Optional[int] = None
+    last_join: Optional[float] = None
+    load_at: Optional[float] = None
+    loaded_step: Optional[int] = None
+    in_place_at: Optional[float] = None
+    resumed_at: Optional[float] = None
+    members: frozenset[str] = frozenset()
+    """The nodes of the group it interrupted."""
+    seen: set[str] = field(default_factory=set)
+    """Nodes that reported anything during it."""
+    joined: set[str] = field(default_factory=set)
+
+
+def _ev(e: Any) -> _Ev:
+    if isinstance(e, dict):
+        return _Ev(float(e["time"]), str(e.get("node", "")), str(e["kind"]), dict(e.get("fields") or {}))
+    return _Ev(float(e.time), e.node, e.kind, dict(e.fields))
+
+
+def _int(v: Any) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _detection(e: _Ev) -> float:
+    if e.kind == "hang":
+        silent = [w.get("silent_s") for w in e.fields.get("workers") or [] if isinstance(w, dict)]
+        return max((float(s) for s in silent if isinstance(s, (int, float))), default=0.0)
+    if e.kind == "failure":
+        ages = [f.get("last_beat_age_s") for f in e.fields.get("failures") or [] if isinstance(f, dict)]
+        return min((float(a) for a in ages if isinstance(a, (int, float))), default=0.0)
+    return 0.0
+
+
+def _reached(e: _Ev) -> Optional[int]:
+    """The step an interrupting event says the group reached."""
+    if e.kind == "hang":
+        steps = [_int(w.get("step")) for w in e.fields.get("workers") or [] if isinstance(w, dict)]
+        return max((s for s in steps if s is not None), default=None)
+    return _int(e.fields.get("failed_step")) if e.kind == "in_place_resumed" else None
+
+
+def _cause(e: _Ev) -> str:
+    if e.kind == "restart":
+        return f"restart ({e.fields.get('reason', 'membership change')})"
+    return str(e.fields.get("cause") or e.kind)
+
+
+_KINDS = {"failure": "worker failure", "hang": "hang", "restart": "membership change", "reform": "re-form"}
+
+
+def _open(e: _Ev, members: frozenset[str]) -> _Gap:
+    return _Gap(at=e.time, kind=_KINDS.get(e.kind, e.kind), cause=_cause(e), node=e.node,
+                detection_s=_detection(e), step_reached=_reached(e), members=members, seen={e.node})
+
+
+def _close(g: _Gap) -> None:
+    if g.in_place_at is not None and (g.load_at is None or g.in_place_at >= g.load_at):
+        g.resumed_at = g.in_place_at
+    else:
+        g.resumed_at = g.load_at if g.load_at is not None else g.last_join
+
+
+def _max(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Optional[float]]:
+    """The start-up (a gap of kind "start"), the interruptions in order, and the end time (None: running)."""
+    start = _Gap(at=started, kind="start", cause="job start", node="")
+    gaps: list[_Gap] = []
+    cur: Optional[_Gap] = start
+    members: frozenset[str] = frozenset()
+    for e in events:
+        if cur is not None and cur.resumed_at is None:
+            cur.seen.add(e.node)
+        if e.kind == "join" and cur is not None:
+            cur.joined.add(e.node)
+            members = frozenset(cur.joined)
+        if e.kind in _ENDS:
+            if cur is not None and cur.resumed_at is None:
+                _close(cur)
+            return start, gaps, e.time
+        if cur is not None:
+            if e.kind == "join":
+                cur.last_join, cur.load_at, cur.in_place_at = e.time, None, None
+                continue
+            if e.kind in _LOADS:
+                if cur.last_join is not None and (cur.load_at is None or e.time >= cur.load_at):
+                    cur.load_at = e.time
+                    cur.loaded_step = _max(cur.loaded_step, _int(e.fields.get("step")))
+                continue
+            if e.kind == "in_place_resumed":
+                cur.in_place_at, cur.loaded_step = e.time, _int(e.fields.get("step"))
+                cur.step_reached = _max(cur.step_reached, _reached(e))
+                continue
+            if e.kind in _INTERRUPTS:
+                if cur.last_join is None and cur.in_place_at is None:
+                    # the same interruption, seen by another node (or its restart after its failure)
+                    cur.step_reached = _max(cur.step_reached, _reached(e))
+                    cur.detection_s = max(cur.detection_s, _detection(e))
+                    continue
+                _close(cur)
+                cur = _open(e, members)
+                gaps.append(cur)
+                continue
+            if e.kind not in _NOT_TRAINING and (cur.last_join is not None or cur.in_place_at is not None):
+                _close(cur)  # the group is doing training's business again (a save, a pause, a straggler)
+                cur = None
+            continue
+        if e.kind in _INTERRUPTS:
+            cur = _open(e, members)
+            gaps.append(cur)
+    if cur is not None and cur.resumed_at is None and (cur.last_join is not None or cur.in_place_at is not None):
+        _close(cur)
+    return start, gaps, None
+
+
+def _judge_lost(g: _Gap, updated: dict[str, float]) -> None:
+    """A node of the interrupted group that said nothing since (no failure, no restart, no join) was lost: its
+    agent died with it. Its status, rewritten every 2 s until then, dates the loss (an upper bound)."""
+    lost = sorted(g.members - g.seen)
+    if not lost:
+        return
+    g.kind = "node lost"
+    g.cause = f"node {', '.join(lost)} lost (peer saw: {g.cause})"
+    last = [updated[n] for n in lost if n in updated and updated[n] <= g.at]
+    if last:
+        g.detection_s = max(g.detection_s, g.at - max(last))
+
+
+def _pauses(events: list[_Ev]) -> list[tuple[float, float]]:
+    """Operator pauses as the agents relayed them: first node's pause -> last node's resume."""
+    out: list[tuple[float, float]] = []
+    since: Optional[float] = None
+    paused: set[str] = set()
+    for e in events:
+        if e.kind != "control" or e.fields.get("action") not in ("pause", "resume"):
+            continue
+        if e.fields["action"] == "pause":
+            if since is None:
+                since = e.time
+            paused.add(e.node)
+        elif since is not None:
+            paused.discard(e.node)
+            if not paused:
+                out.append((since, e.time))
+                since = None
+    if since is not None:
+        out.append((since, float("inf")))
+    return out
+
+
+def _overlap(a: float, b: float, spans: Iterable[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+
+
+def _saves(events: list[_Ev]) -> list[tuple[float, float]]:
+    """(time, seconds training was blocked) per checkpoint step: ranks block together, so the slowest rank's."""
+    per_step: dict[Any, tuple[float, float]] = {}
+    for e in events:
+        b = e.fields.get("blocking_s")
+        if e.kind == "checkpoint_saved" and isinstance(b, (int, float)):
+            key = (e.fields.get("step"), e.fields.get("url"))
+            t, s = per_step.get(key, (e.time, 0.0))
+            per_step[key] = (min(t, e.time), max(s, float(b)))
+    return list(per_step.values())
+
+
+def _restart_steps(restarts: Iterable[Any]) -> list[tuple[float, int]]:
+    out = []
+    for r in restarts:
+        raw = r if isinstance(r, dict) else asdict(r)
+        step = _int(raw.get("step"))
+        if step is not None and isinstance(raw.get("time"), (int, float)):
+            out.append((float(raw["time"]), step))
+    return out
+
+
+def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Optional[float] = None,
+            now: float, current_step: Optional[int] = None, final_step: Optional[int] = None,
+            node_updated: Optional[dict[str, float]] = None) -> Ledger:
+    """The job's ledger from its event log (status.Event or dicts), restart records (budget.RestartRecord or
+    dicts), its start (JobRecord.started; default: the first event) and the step its nodes report now.
+
+    `final_step`: the step count a job that succeeded ended at (its `train.steps`); `node_updated`: node -> the
+    last time its status was written (`NodeStatus.updated`), which dates a lost node's end."""
+    evs = sorted((_ev(e) for e in events), key=lambda e: e.time)
+    evs = [e for e in evs if e.kind != FAULT_COST_EVENT]
+    first = evs[0].time if evs else now
+    t0 = min(started, first) if started is not None else first
+    start, gaps, end = _read_gaps(evs, t0)
+    for g in gaps:
+        _judge_lost(g, node_updated or {})
+    until = end if end is not None else now
+    saves, pauses = _saves(evs), _pauses(evs)
+    restart_steps = _restart_steps(restarts)
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+
+    def fault_time(g: _Gap, lo: float) -> float:
+        return max(lo, g.at - g.detection_s)
+
+    # training segments: [resume of one gap, fault time of the next)
+    chain = [start, *gaps]
+    seg_start = start.resumed_at if start.resumed_at is not None else until
+    buckets["starting"] = min(seg_start, until) - t0
+    faults: list[FaultCost] = []
+    for i, g in enumerate(chain):
+        nxt = chain[i + 1] if i + 1 < len(chain) else None
+        lo = g.resumed_at if g.resumed_at is not None else until
+        hi = fault_time(nxt, lo) if nxt is not None else until
+        hi = min(max(hi, lo), until)
+        seg = hi - lo
+        blocked = sum(s for t, s in saves if lo <= t <= hi + 1.0)
+        paused = _overlap(lo, hi, pauses)
+        net = max(0.0, seg - paused - min(blocked, seg - paused))
+        # the step this segment reached: what the next interruption reports, else restart records, else saves
+        reached = nxt.step_reached if nxt is not None else None
+        if nxt is not None:
+            window = [s for t, s in restart_steps if nxt.at - 1.0 <= t <= (nxt.resumed_at or until) + 1.0]
+            reached = _max(reached, max(window, default=None))
+        saved = [_int(e.fields.get("step")) for e in evs if e.kind == "checkpoint_saved" and lo <= e.time <= hi]
+        reached = _max(reached, max((s for s in saved if s is not None), default=None))
+        if nxt is None:
+            reached = _max(reached, final_step if end is not None else None)
+            reached = _max(reached, current_step)
+        if nxt is not None:
+            nxt.step_reached = reached
+        loaded = g.loaded_step if g.loaded_step is not None else (0 if g.resumed_at is not None else None)
+        redo = 0
+        if g is not start and g.step_reached is not None and loaded is not None:
+            redo = max(0, g.step_reached - loaded)
+        ran = (reached - loaded) if reached is not None and loaded is not None else None
+        redo_s = 0.0
+        if redo and ran and ran > 0:
+            redo_s = min(net, net * redo / ran)
+        elif redo:
+            redo_s = net  # the group has not yet got past the steps it redoes
+        buckets["paused"] += paused
+        buckets["checkpoint"] += min(blocked, seg - paused)
+        buckets["recomputing"] += redo_s
+        buckets["training"] += net - redo_s
+        if g is start:
+            continue
+        prev_lo = chain[i - 1].resumed_at if chain[i - 1].resumed_at is not None else t0
+        detect = g.at - fault_time(g, prev_lo)
+        join = g.last_join if g.last_join is not None else g.in_place_at
+        resumed = g.resumed_at
+        restart_s = (min(join, until) if join is not None else until) - g.at
+        load_s = (min(resumed, until) - join) if resumed is not None and join is not None else 0.0
+        buckets["detecting"] += detect
+        buckets["restarting"] += restart_s
+        buckets["loading"] += max(0.0, load_s)
+        complete = resumed is not None and (end is not None or nxt is not None or ran is None
+                                            or (ran is not None and ran >= redo))
+        faults.append(FaultCost(
+            at=g.at, cause=g.cause, kind=g.kind, node=g.node, detection_s=round(detect, 3),
+            restart_s=round(restart_s, 3), load_s=round(max(0.0, load_s), 3), recomputed_steps=redo,
+            recompute_s=round(redo_s, 3), lost_s=round(detect + restart_s + max(0.0, load_s) + redo_s, 3),
+            step_reached=g.step_reached, resumed_step=loaded if resumed is not None else None,
+            resumed_at=resumed, complete=complete))
+    buckets = {k: round(max(0.0, v), 3) for k, v in buckets.items()}
+    return Ledger(started=t0, until=until, wall_s=until - t0, buckets=buckets, faults=faults, ended=end is not None)
+
+
+def sample_ledger_recomputed(records: Iterable[dict[str, Any]]) -> int:
+    """Steps run more than once according to the sample ledger (`runtime/audit.py` records): for each step, the
+    launches that ran it, less one. The independent count `compute`'s recomputed steps must equal."""
+    launches: dict[int, set[Any]] = {}
+    for r in records:
+        launches.setdefault(int(r["step"]), set()).add((r["seq"], r["launch"]))
+    return sum(len(v) - 1 for v in launches.values())
+
+
+
+
+def for_job(events: Iterable[Any], restarts: Iterable[Any], job: Any, nodes: Iterable[Any], now: float) -> Ledger:
+    """`compute` on the records the agents keep in etcd: the event log, the restart records, the JobRecord (None
+    when absent) and the NodeStatus of every node."""
+    nodes = list(nodes)
+    steps = [n.step for n in nodes if n.step is not None]
+    return compute(events, restarts=restarts, started=getattr(job, "started", None), now=now,
+                   current_step=max(steps) if steps else None, final_step=getattr(job, "steps", None),
+                   node_updated={n.node: n.updated for n in nodes})
+
+
+__all__ = ["BUCKETS", "FAULT_COST_EVENT", "FaultCost", "Ledger", "compute", "for_job", "sample_ledger_recomputed"]

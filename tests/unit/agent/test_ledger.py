@@ -1,0 +1,136 @@
+"""The time ledger (elastictrain/agent/ledger.py) on synthetic event logs and on one recorded from a real job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastictrain.agent.ledger import BUCKETS, compute, for_job, sample_ledger_recomputed
+from elastictrain.agent.status import JobRecord, NodeStatus
+
+RECORDED = Path(__file__).parent / "data" / "ledger_recorded.json"
+
+
+def ev(t: float, node: str, kind: str, **fields) -> dict:
+    return {"time": t, "node": node, "kind": kind, "fields": fields}
+
+
+def saved(t: float, step: int, blocking: float = 0.5) -> dict:
+    return ev(t, "a", "checkpoint_saved", step=step, blocking_s=blocking, rank=0, url=f"file:///c/step-{step}")
+
+
+def start(t: float = 2.0) -> list[dict]:
+    return [ev(t, "a", "join", group_rank=0), ev(t, "b", "join", group_rank=1)]
+
+
+def assert_adds_up(led) -> None:
+    assert set(led.buckets) == set(BUCKETS)
+    assert sum(led.buckets.values()) == pytest.approx(led.wall_s, rel=0.02)
+
+
+def test_a_worker_kill_costs_its_restart_its_load_and_the_steps_since_the_checkpoint_run_again():
+    log = [*start(), saved(10, 4),
+           ev(14, "b", "failure", cause="rank 1: Signal 9 (SIGKILL)", failures=[{"global_rank": 1}]),
+           ev(14.1, "b", "restart", reason="failure"), ev(14.5, "a", "restart", reason="membership change"),
+           ev(16, "a", "join"), ev(16, "b", "join"), ev(18, "a", "checkpoint_loaded", step=4, rank=0),
+           saved(25, 8), ev(30, "a", "succeeded")]
+    led = compute(log, restarts=[{"time": 14.0, "step": 7}], started=0.0, now=99.0, final_step=10)
+    assert_adds_up(led)
+    assert led.wall_s == 30 and led.ended
+    (f,) = led.faults
+    assert (f.kind, f.restart_s, f.load_s, f.step_reached, f.resumed_step) == ("worker failure", 2, 2, 7, 4)
+    assert f.recomputed_steps == 3 and f.complete
+    # the new group ran 6 steps (4 -> 10) in 11.5 s of its 12 (one 0.5 s save): 3 of them again
+    assert f.recompute_s == pytest.approx(5.75)
+    assert f.lost_s == pytest.approx(2 + 2 + 5.75)
+    b = led.buckets
+    assert (b["starting"], b["checkpoint"], b["restarting"], b["loading"]) == (2, 1, 2, 2)
+    assert b["training"] == pytest.approx(30 - 2 - 1 - 2 - 2 - 5.75)
+    assert led.ettr == pytest.approx(b["training"] / 30, abs=1e-4)
+    assert led.lost_by_cause()["worker failure"] == pytest.approx(9.75)
+
+
+def test_a_hang_counts_its_silence_as_detection():
+    log = [*start(), ev(20, "a", "hang", cause="rank 0 silent", workers=[{"step": 9, "silent_s": 5.0}]),
+           ev(20.2, "a", "restart", reason="failure"), ev(22, "a", "join"), ev(22, "b", "join"),
+           ev(23, "a", "checkpoint_loaded", step=8), ev(40, "a", "succeeded")]
+    led = compute(log, started=0.0, now=50.0, final_step=20)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert (f.kind, f.detection_s, f.restart_s, f.load_s, f.recomputed_steps) == ("hang", 5.0, 2.0, 1.0, 1)
+    assert led.buckets["detecting"] == 5.0
+
+
+def test_a_node_that_says_nothing_while_the_others_recover_was_lost_and_its_last_status_dates_it():
+    log = [*start(), ev(30, "a", "failure", cause="rank 0: exited with code 1"),
+           ev(30.1, "a", "restart", reason="failure"), ev(50, "a", "join"), ev(50, "b2", "join"),
+           ev(51, "a", "checkpoint_loaded", step=12), saved(55, 16), ev(60, "a", "succeeded")]
+    led = compute(log, restarts=[{"time": 30.0, "step": 15}], started=0.0, now=70.0, final_step=20,
+                  node_updated={"b": 28.5, "a": 60.0})
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert f.kind == "node lost" and "node b lost" in f.cause
+    assert (f.detection_s, f.restart_s, f.load_s, f.recomputed_steps) == (1.5, 20.0, 1.0, 3)
+
+
+def test_an_operator_pause_is_its_own_bucket_not_training():
+    log = [*start(), ev(10, "a", "control", action="pause"), ev(10.2, "b", "control", action="pause"),
+           ev(14, "a", "control", action="resume"), ev(14.3, "b", "control", action="resume"),
+           ev(20, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=10)
+    assert_adds_up(led)
+    assert led.buckets["paused"] == pytest.approx(4.3)
+    assert led.buckets["training"] == pytest.approx(20 - 2 - 4.3)
+    assert led.faults == []
+
+
+def test_a_job_still_recovering_counts_the_fault_until_now_and_calls_it_not_final():
+    log = [*start(), ev(10, "b", "failure", cause="x"), ev(10.1, "b", "restart", reason="failure")]
+    led = compute(log, started=0.0, now=16.0)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert not f.complete and f.resumed_at is None and f.restart_s == pytest.approx(6.0)
+    assert not led.ended and led.wall_s == 16.0
+
+
+def test_an_in_place_recovery_recomputes_nothing_when_it_resumes_at_the_failed_step():
+    log = [*start(), ev(10, "b", "failure", cause="x"),
+           ev(10.2, "b", "restart", reason="failure", in_place=True, replaced_ranks=[1]),
+           ev(12, "a", "in_place_resumed", failed_step=9, step=9, pause_s=1.8), saved(15, 12),
+           ev(20, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=16)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert (f.restart_s, f.load_s, f.recomputed_steps, f.resumed_step) == (2.0, 0.0, 0, 9)
+
+
+def test_fault_cost_events_in_the_log_do_not_change_the_ledger():
+    log = [*start(), ev(10, "b", "failure", cause="x"), ev(11, "a", "join"), ev(11, "b", "join"),
+           ev(12, "a", "checkpoint_loaded", step=0), ev(20, "a", "succeeded")]
+    plain = compute(log, started=0.0, now=30.0, final_step=8)
+    again = compute([*log, ev(13, "a", "fault_cost", fault_at=10.0, lost_s=2.0)], started=0.0, now=30.0,
+                    final_step=8)
+    assert plain.to_dict() == again.to_dict()
+
+
+def test_the_sample_ledger_counts_each_step_once_per_launch_that_ran_it():
+    recs = [{"step": s, "seq": 0, "launch": "x"} for s in range(7)] + \
+           [{"step": s, "seq": 1, "launch": "y"} for s in range(4, 10)]
+    recs += [dict(r) for r in recs]  # a second rank's records of the same launches
+    assert sample_ledger_recomputed(recs) == 3
+
+
+def test_a_recorded_job_with_a_worker_kill_and_a_node_kill_adds_up_and_agrees_with_its_sample_ledger():
+    """Recorded from a real 2-node job (tests/chaos/cluster.py Job, 36 steps): a worker SIGKILL at step ~7, a node
+    SIGKILL at step ~15 and its re-join by the same command."""
+    d = json.loads(RECORDED.read_text())
+    nodes = [NodeStatus.from_json(json.dumps(n).encode()) for n in d["nodes"]]
+    led = for_job(d["events"], d["restarts"], JobRecord(**d["job"]), nodes, now=d["t1"])
+    assert_adds_up(led)
+    assert led.ended
+    assert [f.kind for f in led.faults] == ["worker failure", "node lost"]
+    assert all(f.complete for f in led.faults)
+    assert led.recomputed_steps == sample_ledger_recomputed(d["records"]) == 6
+    assert 0 < led.ettr < 1
