@@ -1,8 +1,11 @@
 """`elastictrain dashboard [--port]`: a small read-only status page on localhost.
 
-A sampler thread reads the job every `--interval` seconds (the same snapshot as `elastictrain status`) and keeps
-the steps over time; the page (`dashboard.html`, static, no external assets) polls `/api/status` and redraws.
-Endpoints: `/` the page, `/api/status` JSON {view, history, checkpoints, error}. Only the standard library.
+A sampler thread reads the job every `--interval` seconds (the same snapshot as `elastictrain status`, with its
+time ledger) and keeps the steps over time; the page (`dashboard.html`, static, no external assets) polls
+`/api/status` and redraws. Every panel comes from one read: the checkpoint header and table from the same listing,
+the fault markers and the time-lost bar from the same ledger, and the page shows that read's age.
+Endpoints: `/` the page, `/api/status` JSON {view, history, checkpoints, read_at, age_s, error}. Only the
+standard library.
 """
 
 from __future__ import annotations
@@ -17,14 +20,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Optional
 
-from elastictrain.agent.jobstate import collect
+from elastictrain.agent.jobstate import CheckpointView, collect
 from elastictrain.cli import target as tgt
 
 log = logging.getLogger(__name__)
 
 HISTORY_POINTS = 600
 """Samples of (time, node, step) kept for the steps-over-time chart."""
-CHECKPOINT_LIST_EVERY_S = 15.0
 
 
 def _list_checkpoints(url: Optional[str]) -> list[dict[str, Any]]:
@@ -52,8 +54,8 @@ class Sampler:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self.view: Optional[dict[str, Any]] = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.read_at: Optional[float] = None
         self.error = ""
-        self._ckpt_at = -1e18
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dashboard-sampler", daemon=True)
@@ -65,25 +67,30 @@ class Sampler:
 
     def sample(self) -> None:
         try:
-            view = collect(self.target, events=30, checkpoint=True)
-            ckpts = None
-            if time.monotonic() - self._ckpt_at > CHECKPOINT_LIST_EVERY_S:
-                ckpts, self._ckpt_at = _list_checkpoints(view.checkpoint_url), time.monotonic()
+            view = collect(self.target, events=30, checkpoint=False)
+            # The header's "last checkpoint" comes from this listing too: read apart, they contradicted each other
+            # (header step 100, table only up to step 50).
+            ckpts = _list_checkpoints(view.checkpoint_url)
         except Exception as e:  # etcd down: keep the last view, say why
             with self._lock:
                 self.error = f"{type(e).__name__}: {e}"
             return
+        newest = next((c for c in ckpts if c["status"] == "valid"), None)
+        if newest is not None:
+            view.checkpoint = CheckpointView(step=newest["step"], url=newest["url"], age_s=round(
+                view.time - newest["created"], 1) if newest["created"] else 0.0)
+        view.checkpoint_checked = bool(view.checkpoint_url)
         with self._lock:
-            self.view, self.error = view.to_dict(), ""
+            self.view, self.error, self.read_at = view.to_dict(), "", view.time
             self.history.append({"time": view.time, "steps": {m.node: m.step for m in view.members
                                                               if m.step is not None}})
-            if ckpts is not None:
-                self.checkpoints = ckpts
+            self.checkpoints = ckpts
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"view": self.view, "history": list(self.history), "checkpoints": self.checkpoints,
-                    "error": self.error}
+                    "read_at": self.read_at, "age_s": None if self.read_at is None else round(
+                        time.time() - self.read_at, 1), "error": self.error}
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
