@@ -2,8 +2,8 @@
 dashboard rendered in headless chromium during that job (its screenshot kept as a test artifact).
 
 The artifact: `$ELASTICTRAIN_TEST_ARTIFACTS/dashboard-faults.png` when that variable is set, else under the test's
-tmp_path (pytest keeps the last runs'). The chromium part skips, saying why, where no chromium is installed; CI
-requires it (tests/must_run.txt).
+tmp_path (pytest keeps the last runs'). Without chromium the test checks the ledger, then skips, saying why; CI
+requires it to run (tests/must_run.txt).
 """
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
     assert sum(c["fields"]["recomputed_steps"] for c in costs) == led["recomputed_steps"]
     text = _cli(job, "status", "--no-checkpoint")
     assert "ETTR:" in text and "node lost: lost" in text and "worker failure: lost" in text, text
-    if shot is not None:
-        assert shot.stat().st_size > 10_000, "a screenshot of the page"
+    if shot is None:
+        pytest.skip("no chromium on PATH (apt-get install -y chromium): the ledger was checked, the dashboard "
+                    "was not rendered")
+    assert shot.stat().st_size > 10_000, "a screenshot of the page"
     print(f"ETTR {led['ettr']}, wall {wall:.1f}s, buckets {buckets}, faults "
           f"{[(f['kind'], f['lost_s'], f['recomputed_steps']) for f in led['faults']]}; screenshot {shot}")
 
