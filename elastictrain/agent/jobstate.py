@@ -108,6 +108,9 @@ class JobView:
     events: list[dict[str, Any]] = field(default_factory=list)
     ledger: Optional[dict[str, Any]] = None
     """The time ledger (`ledger.py` Ledger.to_dict): buckets, ETTR, the cost of each fault."""
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    """Training progress over steps from the `progress` events rank 0 reports: step, time, loss, step_time_s,
+    tokens_per_s (the dashboard's loss and throughput chart)."""
     last_hang: Optional[HangCulprit] = None
     """The rank the newest hang started at, judged from every node's hang events (read with the events)."""
     time: float = 0.0
@@ -191,6 +194,27 @@ def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested:
                    max_restarts=max_restarts, pause_requested=pause_requested, fatal=fatal, time=now)
 
 
+PROGRESS_EVENT = "progress"
+PROGRESS_POINTS = 500
+"""The newest progress reports kept in the view."""
+
+
+def progress_series(events: list[Event], limit: int = PROGRESS_POINTS) -> list[dict[str, Any]]:
+    """Step, time, loss, step time and tokens/s of each `progress` event (fields it lacks are None); tokens/s is
+    the step's `tokens` (summed over ranks) over its `step_time_s`."""
+    out = []
+    for e in events:
+        if e.kind != PROGRESS_EVENT or not isinstance(e.fields.get("step"), int):
+            continue
+        f = e.fields
+        num = {k: float(f[k]) if isinstance(f.get(k), (int, float)) else None
+               for k in ("loss", "step_time_s", "tokens")}
+        rate = num["tokens"] / num["step_time_s"] if num["tokens"] and num["step_time_s"] else None
+        out.append({"step": f["step"], "time": e.time, "loss": num["loss"], "step_time_s": num["step_time_s"],
+                    "tokens_per_s": None if rate is None else round(rate, 1)})
+    return out[-limit:]
+
+
 def event_dict(e: Event) -> dict[str, Any]:
     return {"time": e.time, "node": e.node, "kind": e.kind, "fields": e.fields}
 
@@ -262,4 +286,5 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True, ledger: b
         view.last_hang = attribute(log)
         if ledger:
             view.ledger = for_job(log, budget.records(), job, nodes, now).to_dict()
+            view.progress = progress_series(log)
     return view

@@ -34,6 +34,9 @@ def dashboard(etcd, run_id):
         pub.status.step = step
         pub.on_event("join", {"group_rank": rank, "world_size": 2})
         pub.flush()
+    for step in (10, 20, 30):  # what rank 0 reports every train.log_every steps
+        pub.on_event("progress", {"step": step, "loss": 5.0 - step / 10, "step_time_s": 0.25, "tokens": 4096})
+    pub.flush()
     pub.on_event("failure", {"cause": "rank 1: Signal 9 (SIGKILL)"})
     pub.flush()
     sampler = Sampler(JobConnection(client, settings), interval_s=0.2).start()
@@ -70,3 +73,6 @@ def test_page_renders_members_events_and_the_step_chart_in_a_headless_browser(da
     assert "<td>node-a</td>" in dom and "<td>node-b</td>" in dom and "<td>recovering</td>" in dom
     assert "rank 1: Signal 9 (SIGKILL)" in dom
     assert dom.count('class="series"') == 2  # one step line per node
+    assert 'data-series="loss"' in dom and 'data-series="tokens_per_s"' in dom
+    assert "ETTR " in dom and "time lost to faults: " in dom
+    assert 'data-bucket="restarting"' in dom  # the job is recovering from the failure: the bar says so

@@ -103,3 +103,16 @@ def test_rendezvous_state_is_read_without_running_foreign_pickles():
     got = read_rendezvous(_FakeClient(pickle.dumps(st)), "/p")
     assert (got.round, got.complete, got.participants, got.waiting) == (4, True, 2, 0)
     assert read_rendezvous(_FakeClient(pickle.dumps(_Evil())), "/p") is None
+
+
+def test_progress_reports_become_loss_and_tokens_per_second_over_steps():
+    from elastictrain.agent.jobstate import progress_series
+    from elastictrain.agent.status import Event
+
+    log = [Event(1.0, "a", "progress", {"step": 10, "loss": 4.5, "step_time_s": 0.5, "tokens": 2048}),
+           Event(2.0, "a", "checkpoint_saved", {"step": 10}),
+           Event(3.0, "a", "progress", {"step": 20, "loss": 3.9}),
+           Event(4.0, "a", "progress", {"loss": 1.0})]  # no step: not a point
+    assert progress_series(log) == [
+        {"step": 10, "time": 1.0, "loss": 4.5, "step_time_s": 0.5, "tokens_per_s": 4096.0},
+        {"step": 20, "time": 3.0, "loss": 3.9, "step_time_s": None, "tokens_per_s": None}]
