@@ -221,6 +221,7 @@ class CommittingWriter(FsspecWriter):
         manifest = Manifest(metadata=self.metadata, files=entries, blobs=blob_list,
                             format=BLOB_FORMAT if self.dedup else 1)
         self.committed = write_commit(self.storage, self.dirname, manifest, rank)
-        log.info("committed checkpoint %s (%d files, %.1f MB; %d blobs referenced, %.1f MB)",
-                 self.storage.url_for(self.dirname), len(entries), sum(e.size for e in entries) / 1e6,
-                 len(blob_list), sum(b.size for b in blob_list) / 1e6)
+        blob_note = (f"; {len(blob_list)} blobs referenced, {sum(b.size for b in blob_list) / 1e6:.1f} MB"
+                     if self.dedup else "")
+        log.info("committed checkpoint %s (%d files, %.1f MB%s)", self.storage.url_for(self.dirname),
+                 len(entries), sum(e.size for e in entries) / 1e6, blob_note)

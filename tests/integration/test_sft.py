@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.checkpoint.blobs import is_blob
+from elastictrain.checkpoint.discovery import list_checkpoints, verify_files
+from elastictrain.checkpoint.storage import open_storage
 from elastictrain.config import DataConfig
 from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.cursor import GlobalOrder
@@ -102,14 +105,23 @@ def test_a_worker_killed_mid_run_resumes_bitwise_identical(data, reference, tmp_
 
 
 def test_a_resume_across_world_sizes_2_1_3_consumes_every_row_exactly_once(data, reference, tmp_path):
+    """With delta checkpoints and zstd on (tensors of 4 KiB or more as blobs, so the tiny model's shards are): each
+    resume reads blobs written at another world size, and retention leaves exactly the blobs kept checkpoints use."""
     out = tmp_path / "run"
-    run_recipe(out, 2, [*overrides(data, out), "train.stop_at=3"])
-    run_recipe(out, 1, [*overrides(data, out), "train.stop_at=5"])
-    last = run_recipe(out, 3, overrides(data, out))
+    delta = ["checkpoint.dedup=true", "checkpoint.dedup_min_bytes=4096", "checkpoint.compression=zstd"]
+    run_recipe(out, 2, [*overrides(data, out), *delta, "train.stop_at=3"])
+    run_recipe(out, 1, [*overrides(data, out), *delta, "train.stop_at=5"])
+    last = run_recipe(out, 3, [*overrides(data, out), *delta])
     assert last["start_step"] == 5 and last["final_step"] == STEPS
     assert committed_timeline(out / "samples") == reference["timeline"]
     for step, loss in last["losses"].items():
         assert math.isclose(loss, reference["losses"][step], rel_tol=1e-3), (step, loss, reference["losses"][step])
+    storage = open_storage(str(out / "ckpt"))
+    kept = [c for c in list_checkpoints(storage) if c.valid]
+    used = {b.name for c in kept for b in c.manifest.blobs}
+    assert used and all(n.endswith(".zst") for n in used)
+    assert {n for n in storage.list_files() if is_blob(n)} == used
+    assert all(verify_files(storage, c) == [] for c in kept)
 
 
 def test_a_missing_dataset_file_ends_the_job_with_one_line_and_no_restart(data, tmp_path):

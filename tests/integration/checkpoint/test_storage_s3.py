@@ -76,3 +76,25 @@ def test_a_start_during_an_s3_outage_waits_for_the_server_then_saves():
         assert mgr.save(1, {"w": torch.ones(2)}, blocking=True)
     finally:
         server.close()
+
+
+def test_delta_checkpoints_on_s3_share_blobs_load_verify_and_retain(s3_bucket):
+    """checkpoint.dedup + zstd on an object store: the frozen tensor is one object referenced by every checkpoint,
+    DCP's `../blobs/...` item paths resolve (an object store takes `..` literally), retention deletes the blobs
+    of deleted checkpoints only, and verification reads the referenced blobs back."""
+    from elastictrain.checkpoint.blobs import is_blob
+    from elastictrain.checkpoint.discovery import list_checkpoints, verify_files
+
+    frozen = torch.randn(512, 256)
+    cfg = CheckpointConfig(url=s3_bucket.url, storage_options=s3_bucket.storage_options(), dedup=True,
+                           compression="zstd", keep_last=2, async_save=False)
+    mgr = CheckpointManager(cfg, fingerprint={})
+    for step in (1, 2, 3):
+        assert mgr.save(step, {"frozen": frozen, "trained": torch.full((512, 256), float(step))}, blocking=True)
+    kept = list_checkpoints(mgr.storage)
+    assert [c.step for c in kept] == [3, 2] and all(verify_files(mgr.storage, c) == [] for c in kept)
+    blobs = {n for n in mgr.storage.list_files() if is_blob(n)}
+    assert blobs == {b.name for c in kept for b in c.manifest.blobs} and len(blobs) == 3
+    state = {"frozen": torch.zeros(512, 256), "trained": torch.zeros(512, 256)}
+    assert CheckpointManager(cfg, fingerprint={}).load_latest(state).step == 3
+    assert torch.equal(state["frozen"], frozen) and torch.equal(state["trained"], torch.full((512, 256), 3.0))
