@@ -192,6 +192,8 @@ def describe(info: CheckpointInfo, now: Optional[float] = None) -> dict[str, Any
     return {
         "step": info.step, "status": info.status, "reason": info.reason or None, "url": info.url,
         "world_size": md.world_size if md else None, "bytes": info.nbytes, "files": len(info.files),
+        # checkpoint.dedup: the blobs it references (shared with other checkpoints; not in `bytes`)
+        "blob_bytes": sum(b.size for b in info.manifest.blobs) if info.manifest is not None else 0,
         "written_at": datetime.fromtimestamp(md.created_at, timezone.utc).isoformat(timespec="seconds")
         if md else None,
         "age_s": round(now - md.created_at, 1) if md else None,
