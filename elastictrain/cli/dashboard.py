@@ -83,7 +83,7 @@ class Sampler:
         with self._lock:
             self.view, self.error, self.read_at = view.to_dict(), "", view.time
             self.history.append({"time": view.time, "steps": {m.node: m.step for m in view.members
-                                                              if m.step is not None}})
+                                                              if m.step is not None and m.state != "gone"}})
             self.checkpoints = ckpts
 
     def snapshot(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,10 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
         time.sleep(1.0)  # one more sample of the paused job
         dom = _browser(url, tmp_path / "profile", "--dump-dom").stdout
         assert 'data-rendered="' in dom, f"the page's script never rendered:\n{dom[:2000]}"
-        assert dom.count('class="fault-marker"') >= 2, "a marker per fault on the step chart"
+        api = json.loads(urllib.request.urlopen(url + "api/status", timeout=10).read())
+        seen = {"faults": (api["view"]["ledger"] or {}).get("faults"), "history": [
+            (h["time"], h["steps"]) for h in api["history"][:3] + api["history"][-3:]]}
+        assert dom.count('class="fault-marker"') >= 2, f"a marker per fault on the step chart: {seen}"
         assert "time lost to faults: " in dom and "ETTR " in dom
         assert 'data-kind="node lost"' in dom and 'data-kind="worker failure"' in dom
         shot = _artifact(tmp_path)
