@@ -215,25 +215,29 @@ class EtcdStatusPublisher:
 
     def flush(self) -> None:
         """Write the queued events, then the node status (on the caller's thread)."""
+        if self._write_events() and self._faults_open and self.status.group_rank == 0:
+            self._report_faults()
+            self._write_events()  # now: the last flush (close) has no later round
+        self.publish()
+
+    def _write_events(self) -> bool:
+        """Write the queued events in order until etcd fails; True if one said the group got further."""
         progressed = False
         while True:
             with self._lock:
                 if not self._events:
-                    break
+                    return progressed
                 key, ev = self._events[0]
             try:
                 self.client.put(key, json.dumps(asdict(ev), default=str).encode())
             except Exception as e:  # etcd down: keep it for the next round
                 log.warning("could not record %s event in etcd (will retry): %s", ev.kind, e)
-                break
+                return progressed
             with self._lock:
                 self._events.popleft()
             if ev.kind == "checkpoint_saved" and self.budget is not None and isinstance(ev.fields.get("step"), int):
                 self.budget.note_committed(ev.fields["step"])  # what the restart policy calls progress
             progressed = progressed or ev.kind in _PROGRESS_KINDS
-        if progressed and self._faults_open and self.status.group_rank == 0:
-            self._report_faults()
-        self.publish()
 
     def _report_faults(self) -> None:
         """One `fault_cost` event per fault whose cost is final (its steps recomputed), written once, by the node of

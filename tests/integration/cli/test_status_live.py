@@ -154,3 +154,37 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         job.stop()
         client.delete_prefix(settings.run_prefix)
         client.close()
+
+
+def test_the_rank_0_node_reports_each_fault_cost_once_and_a_rejoining_node_keeps_the_job_start(etcd, run_id):
+    """The publisher alone against a real etcd (no processes): what the chaos test relies on, in a second."""
+    from elastictrain.agent.status import EtcdStatusPublisher, JobRecord, publish_job, read_events, read_job
+
+    settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
+    client = EtcdClient(settings)
+    client.connect()
+    try:
+        job = JobRecord(run_id=run_id, config="", checkpoint_url=None, fingerprint={"model": "x"}, max_restarts=3,
+                        min_nodes=1, max_nodes=2, nproc_per_node=1, steps=20, started=time.time() + 100)
+        publish_job(client, settings.run_prefix, job)
+        first = read_job(client, settings.run_prefix).started
+        assert first <= time.time(), "the job began when this (agent) process started"
+        publish_job(client, settings.run_prefix, job)  # a re-joining node: its own start is later
+        assert read_job(client, settings.run_prefix).started == first
+        pub = EtcdStatusPublisher(client, settings.run_prefix, "node-a")
+        for kind, fields in (("join", {"group_rank": 0}), ("checkpoint_saved", {"step": 4, "blocking_s": 0.1}),
+                             ("failure", {"cause": "rank 1: Signal 9 (SIGKILL)"}), ("restart", {"reason": "failure"}),
+                             ("join", {"group_rank": 0}), ("checkpoint_loaded", {"step": 4}),
+                             ("checkpoint_saved", {"step": 8, "blocking_s": 0.1})):
+            pub.on_event(kind, fields)
+            time.sleep(0.01)
+        pub.flush()
+        pub.on_event("checkpoint_saved", {"step": 12, "blocking_s": 0.1})
+        pub.flush()
+        costs = [e for e in read_events(client, settings.run_prefix) if e.kind == "fault_cost"]
+        assert len(costs) == 1, "one event per fault, written once"
+        assert costs[0].fields["kind"] == "worker failure" and costs[0].fields["complete"]
+        assert costs[0].fields["lost_s"] >= 0 and 0 <= costs[0].fields["ettr"] <= 1
+    finally:
+        client.delete_prefix(settings.run_prefix)
+        client.close()
