@@ -474,6 +474,10 @@ class ElasticAgent(LocalElasticAgent):
                 return self._hang_result(worker_group, hangs)
         elif result.state in {WorkerState.FAILED, WorkerState.UNHEALTHY}:
             failures = [_failure_fields(rank, f) for rank, f in sorted(result.failures.items())]
+            for f in failures:  # the time ledger's detection latency of a crash: at most this since its last beat
+                w = self._health.workers.get(f["local_rank"])
+                if w is not None and w.last_beat is not None:
+                    f["last_beat_age_s"] = round(max(0.0, now - w.last_beat), 3)
             if failures and all(f["exitcode"] == EXIT_REFORM for f in failures):
                 self._reform = True
                 self._emit("reform", cause="every rank stopped at a step boundary (a node drained, or a straggler is "

@@ -123,7 +123,8 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
                 model.set_requires_gradient_sync(mb.last)
                 loss = token_loss(model, source, mb.indices, w.device)
                 (loss * (mb.weight / norm)).backward()
-                w.report(loss=loss.detach() * (mb.fraction / norm))
+                # tokens: summed over micro-batches and ranks, the global batch's (the dashboard's tokens/s)
+                w.report(loss=loss.detach() * (mb.fraction / norm), tokens=mb.fraction * tokens_per_step)
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()

@@ -83,7 +83,7 @@ _WIRE = struct.Struct("<BBHiqd")
 MAX_EVENT_BYTES = 8192
 """Largest JSON payload of a worker event; longer text fields are cut to fit (a failure's cause can be long)."""
 
-WORKER_EVENT_PREFIXES: tuple[str, ...] = ("checkpoint_", "straggler", "section_", "in_place_")
+WORKER_EVENT_PREFIXES: tuple[str, ...] = ("checkpoint_", "straggler", "section_", "in_place_", "progress")
 """Kinds a worker may report. The agent's own kinds (join, failure, ...) change a node's state; these never do."""
 
 _EVENT_MAGIC = ord("E")  # first byte of an event datagram; beats start with their wire version (1)

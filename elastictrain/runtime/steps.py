@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 MAX_METRICS = 8
 """Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
 _FLAGS = 4  # stop, checkpoint now, pause, the hash of the reported names
+PROGRESS_EVERY_S = 5.0
+"""Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
 _PAUSE_POLL_S = 0.5
 """While paused, ranks agree on resume/stop this often."""
 
@@ -122,6 +124,7 @@ class StepLoop:
         """The peer failure the guard caught in the step just run."""
         self.recoveries = 0
         """How often this process recovered in place."""
+        self._progress_at, self._progress_steps = time.monotonic(), 0
         self._audit_dir = audit_dir
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
@@ -318,11 +321,14 @@ class StepLoop:
             self.checkpointer.snapshot_if_due(final=st.step == self.total)
         stop, ckpt_now, pause = self._reduce()
         self.step_times.append(time.monotonic() - t0)
+        self._progress_steps += 1
         w.heartbeat.beat(st.step, "train")
         if self.on_step is not None:
             self.on_step(st.step, self.metrics)
         if self.log_every and (st.step % self.log_every == 0 or st.step == self.total) and w.is_main:
             self._log_progress()
+        if w.is_main and (time.monotonic() - self._progress_at >= PROGRESS_EVERY_S or st.step == self.total):
+            self._report_progress()
         final = st.step == self.total
         if self.checkpointer is not None:
             self.checkpointer.after_step(final=final, stopping=stop)
@@ -430,6 +436,16 @@ class StepLoop:
                 w.heartbeat.beat(step, "train")
                 self._released, self._first_forward = time.monotonic(), 0.0
                 return bool(stop)
+
+    def _report_progress(self) -> None:
+        """Rank 0: the step, the median step time since the last report and the reported values (summed over ranks) as
+        a `progress` event, which the dashboard plots (loss, tokens/s when the script reports `tokens`)."""
+        recent = self.step_times[-max(1, self._progress_steps):] if self.step_times else []
+        self._progress_at, self._progress_steps = time.monotonic(), 0
+        if not recent:
+            return
+        self.worker.heartbeat.event("progress", step=self.state.step, step_time_s=round(statistics.median(recent), 4),
+                                    **{k: round(float(v), 6) for k, v in self.metrics.items()})
 
     def _log_progress(self) -> None:
         recent = self.step_times[-self.log_every:]
