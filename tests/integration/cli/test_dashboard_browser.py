@@ -34,7 +34,7 @@ def dashboard(etcd, run_id):
         pub.status.step = step
         pub.on_event("join", {"group_rank": rank, "world_size": 2})
         pub.flush()
-    for step in (10, 20, 30):  # what rank 0 reports every train.log_every steps
+    for step in (10, 20, 30):  # what rank 0 reports every 5 s
         pub.on_event("progress", {"step": step, "loss": 5.0 - step / 10, "step_time_s": 0.25, "tokens": 4096})
     pub.flush()
     pub.on_event("failure", {"cause": "rank 1: Signal 9 (SIGKILL)"})
