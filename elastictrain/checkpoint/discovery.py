@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 from elastictrain.checkpoint.blobs import is_blob, verify_blob
 from elastictrain.checkpoint.manifest import (
@@ -98,24 +98,25 @@ def inspect_dir(storage: Storage, dirname: str, files: dict[str, int],
         info.reason = f"step in marker/manifest ({marker.step}/{manifest.metadata.step}) differs from directory"
         return info
     info.manifest = manifest
-    for entry in manifest.files:
-        found = files.get(entry.name)
-        if found is None:
-            info.reason = f"missing file {entry.name}"
-            return info
-        if found != entry.size:
-            info.reason = f"file {entry.name} has {found} bytes, manifest says {entry.size} (truncated?)"
-            return info
-    for entry in manifest.blobs if blobs is not None else ():
-        found = blobs.get(entry.name)
-        if found is None:
-            info.reason = f"missing blob {entry.name} (deleted by hand, or by a retention that did not know of it)"
-            return info
-        if found != entry.size:
-            info.reason = f"blob {entry.name} has {found} bytes, manifest says {entry.size} (truncated?)"
-            return info
+    problem = _size_problem("file", manifest.files, files) or (
+        _size_problem("blob", manifest.blobs, blobs,
+                      " (deleted by hand, or by a retention that did not know of it)") if blobs is not None else None)
+    if problem:
+        info.reason = problem
+        return info
     info.status = "valid"
     return info
+
+
+def _size_problem(what: str, entries: Any, sizes: dict[str, int], missing_why: str = "") -> Optional[str]:
+    """The first of `entries` (name, size) that `sizes` lacks or has at another size, said in one line."""
+    for entry in entries:
+        found = sizes.get(entry.name)
+        if found is None:
+            return f"missing {what} {entry.name}{missing_why}"
+        if found != entry.size:
+            return f"{what} {entry.name} has {found} bytes, manifest says {entry.size} (truncated?)"
+    return None
 
 
 def list_checkpoints(storage: Storage, files: Optional[dict[str, int]] = None) -> list[CheckpointInfo]:
