@@ -22,6 +22,7 @@ import datetime
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -42,6 +43,7 @@ GENERATIONS_PREFIX = "inplace"
 """Under the run's etcd prefix: the generation counter (`gen`) and each generation's c10d store (`g<N>/`)."""
 _POLL_S = 0.05
 _NODES_POLL_S = 0.25
+_WATCH_S = 0.5
 
 _PEER_FAILURE_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
                          "pair.cc", "nccl", "timed out", "timeout", "abort")
@@ -191,6 +193,67 @@ class InPlace:
             self._client.close()
             self._client = None
             self._store = None
+
+
+class StuckWatch:
+    """A survivor that cannot pause: the job moved to a newer generation (a peer was replaced) while this process
+    stayed inside a collective that never failed (seen with gloo at 150M parameters: the dead peer's connections
+    were closed, yet the main thread waited on for minutes). After `grace()` seconds of that it exits with
+    `EXIT_NO_IN_PLACE`, so its agent restarts every worker at once instead of waiting for two hang timeouts."""
+
+    def __init__(self, in_place: InPlace, pausing: Callable[[], bool], grace: Callable[[], float],
+                 exit: Callable[[int], None] = os._exit):
+        self._in_place, self._pausing, self._grace, self._exit = in_place, pausing, grace, exit
+        self._stop = threading.Event()
+        self._client: Any = None
+        self._thread = threading.Thread(target=self._run, name="elastictrain-in-place-watch", daemon=True)
+
+    def start(self) -> "StuckWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _newest(self) -> int:
+        if self._client is None:  # its own connection: the main thread uses the other one while it waits
+            from elastictrain.rendezvous.client import EtcdClient
+            from elastictrain.rendezvous.settings import EtcdSettings
+
+            s = self._in_place.settings
+            self._client = EtcdClient(EtcdSettings.from_conf(s.endpoint, s.run_id, s.conf))
+            self._client.connect()
+        found = self._client.get(f"{self._client.settings.run_prefix}/{GENERATIONS_PREFIX}/gen")
+        return int(found[0]) if found is not None else 0
+
+    def _run(self) -> None:
+        from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE
+
+        since: Optional[float] = None
+        try:
+            while not self._stop.wait(_WATCH_S):
+                mine = self._in_place.generation
+                if mine is None or self._pausing():
+                    since = None
+                    continue
+                try:
+                    newer = self._newest() > mine
+                except Exception as e:  # noqa: BLE001 - etcd unreachable: nothing to judge by
+                    log.debug("in-place watch: %s", e)
+                    continue
+                if not newer:
+                    since = None
+                elif since is None:
+                    since = time.monotonic()
+                elif time.monotonic() - since >= self._grace() and not self._pausing():
+                    log.error("a peer was replaced in place (generation %d), but this worker has been stuck in a "
+                              "collective for %.0f s since; exiting so that every worker is restarted",
+                              self._newest(), time.monotonic() - since)
+                    self._exit(EXIT_NO_IN_PLACE)
+                    return
+        finally:
+            if self._client is not None:
+                self._client.close()
 
 
 def abort_groups() -> None:

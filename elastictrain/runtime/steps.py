@@ -36,7 +36,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.injected_faults import maybe_inject
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, is_peer_failure
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, StuckWatch, is_peer_failure
 from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch, config_from_env
 from elastictrain.runtime.train_state import TrainState
 
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 MAX_METRICS = 8
 """Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
 _FLAGS = 4  # stop, checkpoint now, pause, the hash of the reported names
+STUCK_GRACE_S = 10.0
+"""The least time a survivor gets to reach the pause after a peer was replaced (3 step times when longer)."""
 PROGRESS_EVERY_S = 5.0
 """Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
 _PAUSE_POLL_S = 0.5
@@ -125,6 +127,8 @@ class StepLoop:
         self.recoveries = 0
         """How often this process recovered in place."""
         self._progress_at, self._progress_steps = time.monotonic(), 0
+        self._stuck: Optional[StuckWatch] = None
+        self._pausing = False
         self._audit_dir = audit_dir
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
@@ -205,6 +209,9 @@ class StepLoop:
     def close(self, wait: bool) -> None:
         """End the loop's checkpointing: wait for the save in flight (`wait`), or abandon it (an error is on its
         way out: its collectives may never complete); close the sample ledger. Idempotent."""
+        if self._stuck is not None:
+            self._stuck.stop()
+            self._stuck = None
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
@@ -235,6 +242,8 @@ class StepLoop:
                 seed_everything(derive_seed(w.seed, "resume", st.step, w.rank))
         if w.in_place is not None:
             self._agree_generation(w.in_place)
+            if self._stuck is None and self._guarded_loop():
+                self._stuck = StuckWatch(w.in_place, pausing=lambda: self._pausing, grace=self._stuck_grace).start()
         self._verify_consistent_start()
         self.start_step = st.step
         if self._audit_dir is not None:
@@ -255,6 +264,16 @@ class StepLoop:
             dist.broadcast(gen, src=0)
         in_place.generation = int(gen.item())
 
+    def _guarded_loop(self) -> bool:
+        """Whether this loop can pause in place: a checkpoint to continue from (the guard is checked as it is used)."""
+        return self._checkpointer is not None
+
+    def _stuck_grace(self) -> float:
+        """How long a survivor may stay in a collective after a peer was replaced: a step's local compute runs
+        before it reaches the next collective, which is where the peer's death shows."""
+        recent = self.step_times[-20:]
+        return max(STUCK_GRACE_S, 3 * statistics.median(recent)) if recent else STUCK_GRACE_S
+
     def _recover(self) -> None:
         """A peer failed in the step just run: drop the step, wait here for its replacement, rebuild the process
         group, and continue from the newest snapshot every rank holds (runtime/inplace.py)."""
@@ -263,6 +282,7 @@ class StepLoop:
         in_place = w.in_place
         assert in_place is not None and self._checkpointer is not None
         failed_step, started = st.step, time.monotonic()
+        self._pausing = True
         cause = _short_cause(exc)
         log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
                     cause)
@@ -286,6 +306,7 @@ class StepLoop:
         except Exception as e:
             raise InPlaceFailed(f"rebuilding the process group in place failed: {type(e).__name__}: {e}") from e
         self.recoveries += 1
+        self._pausing = False
         pause = time.monotonic() - started
         if w.is_main:
             log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)

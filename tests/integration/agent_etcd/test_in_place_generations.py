@@ -72,3 +72,28 @@ def test_a_stop_or_the_timeout_ends_the_wait(etcd, run_id, agent_side):
             worker.wait_next(beat=lambda: None, stop=lambda: False)
     finally:
         worker.close()
+
+
+def test_a_survivor_stuck_in_a_collective_after_a_replacement_exits_for_a_restart_and_a_paused_one_does_not(
+        etcd, run_id, agent_side):
+    from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE
+    from elastictrain.runtime.inplace import StuckWatch
+
+    client, prefix = agent_side
+    stuck, paused = _survivor(etcd, run_id), _survivor(etcd, run_id)
+    exits: dict[str, int] = {}
+    watches = [StuckWatch(w, pausing=lambda p=p: p, grace=lambda: 0.5, exit=lambda code, n=n: exits.setdefault(n, code))
+               for w, p, n in ((stuck, False, "stuck"), (paused, True, "paused"))]
+    for watch in watches:
+        watch.start()
+    try:
+        next_generation(generations_store(client, prefix))
+        deadline = time.monotonic() + 20
+        while "stuck" not in exits and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exits == {"stuck": EXIT_NO_IN_PLACE}, "a stuck survivor must leave; one that paused must not"
+    finally:
+        for watch in watches:
+            watch.stop()
+        stuck.close()
+        paused.close()
