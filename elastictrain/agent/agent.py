@@ -486,7 +486,11 @@ class ElasticAgent(LocalElasticAgent):
             cause = "; ".join(f"rank {f['global_rank']}: {f['message']}" for f in failures) or result.state.value
             self._last_cause = cause
             log.error("[%s] worker group %s: %s", worker_group.spec.role, result.state.value, cause)
-            self._emit("failure", state=result.state.value, cause=cause, failures=failures)
+            # The step this node's workers reached (their last beats): the time ledger's recomputed steps take the
+            # highest over the nodes, while the restart record has only the first charging node's.
+            reached = [w.step for w in self._health.workers.values() if w.step is not None]
+            self._emit("failure", state=result.state.value, cause=cause, failures=failures,
+                       step_reached=max(reached) if reached else None)
             fatal = [f for f in failures if f["exitcode"] == EXIT_FATAL]
             if fatal:
                 self._record_fatal("; ".join(f"rank {f['global_rank']}: {f['message']}" for f in fatal))

@@ -338,12 +338,14 @@ class StepLoop:
         for sampler in st.samplers:
             sampler.advance()
         st.step += 1
+        # The step is computed on this rank (and in the sample ledger): say so before the all_reduce, so that a fault
+        # inside it is charged at this step, as the sample ledger counts it (the time ledger's recomputed steps).
+        w.heartbeat.beat(st.step, "train")
         if self.checkpointer is not None:
             self.checkpointer.snapshot_if_due(final=st.step == self.total)
         stop, ckpt_now, pause = self._reduce()
         self.step_times.append(time.monotonic() - t0)
         self._progress_steps += 1
-        w.heartbeat.beat(st.step, "train")
         if self.on_step is not None:
             self.on_step(st.step, self.metrics)
         if self.log_every and (st.step % self.log_every == 0 or st.step == self.total) and w.is_main:
