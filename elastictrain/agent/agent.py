@@ -318,7 +318,7 @@ class ElasticAgent(LocalElasticAgent):
         backoff = self._charge_restart(worker_group) if failed and self._budget is not None else 0.0
         if failed and backoff == 0 and self._replace_in_place(worker_group):
             return
-        self._emit("restart", reason="failure" if failed else "membership change",
+        self._emit("restart", reason="failure" if failed else "membership change", step_reached=self._step_reached(),
                    remaining_restarts=self._remaining_restarts, backoff_s=round(backoff, 2))
         # torch's _restart_workers, with the backoff between stopping the old group and joining the next round.
         self._stop_workers(worker_group)
@@ -357,11 +357,19 @@ class ElasticAgent(LocalElasticAgent):
         ranks = sorted(worker_group.workers[lr].global_rank for lr in pids)
         log.warning("replacing rank(s) %s in place (generation %d); the other workers wait with their state",
                     ", ".join(map(str, ranks)), generation)
-        self._emit("restart", reason="failure", in_place=True, generation=generation, replaced_ranks=ranks,
+        self._emit("restart", reason="failure", in_place=True, step_reached=self._step_reached(),
+                   generation=generation, replaced_ranks=ranks,
                    pids={lr: pid for lr, pid in pids.items()}, remaining_restarts=self._remaining_restarts,
                    backoff_s=0.0)
         worker_group.state = WorkerState.HEALTHY
         return True
+
+    def _step_reached(self) -> int | None:
+        """The step this node's workers reached (their last beats), on its failure and restart events: the time
+        ledger's recomputed steps take the highest over the nodes (the restart record has only the first charging
+        node's, and a survivor stopped for a restart never reports a failure)."""
+        reached = [w.step for w in self._health.workers.values() if w.step is not None]
+        return max(reached) if reached else None
 
     def _kill_hung_culprits(self, ctx: WarmContext) -> bool:
         """In place, a hang: SIGKILL the hung workers that are stopped or in uninterruptible sleep (the culprits; the
@@ -486,11 +494,8 @@ class ElasticAgent(LocalElasticAgent):
             cause = "; ".join(f"rank {f['global_rank']}: {f['message']}" for f in failures) or result.state.value
             self._last_cause = cause
             log.error("[%s] worker group %s: %s", worker_group.spec.role, result.state.value, cause)
-            # The step this node's workers reached (their last beats): the time ledger's recomputed steps take the
-            # highest over the nodes, while the restart record has only the first charging node's.
-            reached = [w.step for w in self._health.workers.values() if w.step is not None]
             self._emit("failure", state=result.state.value, cause=cause, failures=failures,
-                       step_reached=max(reached) if reached else None)
+                       step_reached=self._step_reached())
             fatal = [f for f in failures if f["exitcode"] == EXIT_FATAL]
             if fatal:
                 self._record_fatal("; ".join(f"rank {f['global_rank']}: {f['message']}" for f in fatal))

@@ -159,7 +159,7 @@ def _reached(e: _Ev) -> Optional[int]:
     if e.kind == "hang":
         steps = [_int(w.get("step")) for w in e.fields.get("workers") or [] if isinstance(w, dict)]
         return max((s for s in steps if s is not None), default=None)
-    if e.kind == "failure":  # each node's agent: its workers' last beats
+    if e.kind in ("failure", "restart"):  # each node's agent: its workers' last beats
         return _int(e.fields.get("step_reached"))
     return _int(e.fields.get("failed_step")) if e.kind == "in_place_resumed" else None
 

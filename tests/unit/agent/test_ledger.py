@@ -134,3 +134,18 @@ def test_a_recorded_job_with_a_worker_kill_and_a_node_kill_adds_up_and_agrees_wi
     assert all(f.complete for f in led.faults)
     assert led.recomputed_steps == sample_ledger_recomputed(d["records"]) == 6
     assert 0 < led.ettr < 1
+
+
+def test_the_step_reached_is_the_highest_any_node_reports_the_survivor_restarted_without_a_failure_included():
+    """A fault inside a step's all_reduce: the survivor computed (and beat) one step more than the killed worker's
+    node knows; it is stopped for the restart and reports no failure, only its restart event's step_reached."""
+    log = [*start(), saved(10, 4),
+           ev(14, "b", "failure", cause="rank 1: Signal 9 (SIGKILL)", failures=[{"global_rank": 1}], step_reached=6),
+           ev(14.1, "b", "restart", reason="failure", step_reached=6),
+           ev(14.5, "a", "restart", reason="membership change", step_reached=7),
+           ev(16, "a", "join"), ev(16, "b", "join"), ev(18, "a", "checkpoint_loaded", step=4, rank=0),
+           saved(25, 8), ev(30, "a", "succeeded")]
+    led = compute(log, restarts=[{"time": 14.0, "step": 6}], started=0.0, now=99.0, final_step=10)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert (f.step_reached, f.resumed_step, f.recomputed_steps) == (7, 4, 3)
