@@ -65,7 +65,8 @@ BUCKET = "chaos"
 # Each of the 9 kinds once; the corrupted checkpoint is followed at once by the worker kill, so the restart must skip
 # it. No fault with a slow heal may come due between those two (the runner heals what is due before it fires): a
 # restart-etcd just before the corruption had its 2 s heal (etcd starting again) run there, the job committed a
-# newer checkpoint meanwhile and the restart never met the corrupted one (a clean-clone CI run failed on it). Faults fire once the job has newly completed a step, 8 steps (two checkpoints) apart: progress between faults,
+# newer checkpoint meanwhile and the restart never met the corrupted one (a clean-clone CI run failed on it).
+# Faults fire once the job has newly completed a step, 8 steps (two checkpoints) apart: progress between faults,
 # whatever the machine's speed. The stopped worker stays stopped for 20 s, far past the hang timeout (max(3 s,
 # 5 x p99 step time)): an agent must act; the stop holds nothing back (the next fault waits for its step, and the
 # agent kills the stopped worker long before the heal's SIGCONT). Training goes on through a storage outage (a
