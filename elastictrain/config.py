@@ -276,7 +276,8 @@ class ElasticConfig:
     rejoin_wait_s: float = 0.0
     """When re-forming and every live node has joined, how long to still wait for a lost node to come back
     (at most `join_grace_s`). 0: re-form at once; a node that comes back later joins through a scale-up
-    restart (about a second with warm spares)."""
+    restart (about a second with warm spares). With `in_place`, also how long a lost node's place in the running
+    round is held for a node started again to take over in place, the survivors paused meanwhile."""
     rdzv_timeout_s: float = 120.0
     warm_spares: bool = True
     """Keep one pre-warmed spare worker per local rank (about 350 MB of host memory each) so that a restart

@@ -186,6 +186,10 @@ class ElasticAgent(LocalElasticAgent):
         self.in_place_store: Any = None
         """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
         replaced alone while its peers wait in place. Set before `run`."""
+        self._rendezvoused = False
+        self._took_over: Any = None
+        """The lost node's place (rendezvous/vacancy.py) this node took in place at its first rendezvous, else None:
+        its workers join the survivors' next process-group generation."""
         self.peer_step_times: dict[int, float] = {}
         """World size -> a calibrated step time other nodes of this run published (set before `run`): the hang
         rule's prior for this agent's first group of that size."""
@@ -269,15 +273,14 @@ class ElasticAgent(LocalElasticAgent):
         self._emit_worker_events(channel.drain()[1])
         self._pending_hang = []
         self._last_tick = None
-        if self._warm is None:
-            pids = super()._start_workers(worker_group)
-        else:
-            # torch builds each worker's environment and log files, then starts the processes; the pool serves
-            # that start. torch offers no seam for it (see torch_starts_workers_with), and copying its
-            # environment construction would drift from torch's.
-            with torch_starts_workers_with(self._warm.start_processes):
-                pids = super()._start_workers(worker_group)
-            self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
+        took_over, self._took_over = self._took_over, None
+        generation = self._join_generation(worker_group) if took_over is not None else None
+        if generation is not None:  # every local worker replaces one of the lost node's
+            os.environ[ENV_GENERATION] = str(generation)
+        try:
+            pids = self._spawn(worker_group)
+        finally:
+            os.environ.pop(ENV_GENERATION, None)
         if self.in_place_store is not None and isinstance(self._pcontext, WarmContext):
             self._pcontext.keep_survivors = True
         self._hang_deferred = None
@@ -288,10 +291,46 @@ class ElasticAgent(LocalElasticAgent):
         if self._warm is not None:
             log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
                      self._warm.cold)
+        if generation is not None:
+            ranks = sorted(w.global_rank for w in worker_group.workers)
+            log.warning("took over lost node %s's ranks %s in place (generation %d)", took_over.lost,
+                        ", ".join(map(str, ranks)), generation)
+            self._emit("restart", reason="node re-join", in_place=True, generation=generation, replaced_ranks=ranks,
+                       lost_node=took_over.lost, pids=dict(pids), remaining_restarts=self._remaining_restarts,
+                       backoff_s=0.0, step_reached=None)
+        return pids
+
+    def _join_generation(self, worker_group: WorkerGroup) -> int | None:
+        """The process-group generation this node's workers start in after taking a lost node's place: a new one,
+        which the survivors' workers (paused in place) join too. None when it cannot be started (etcd down): the
+        workers then start as in a new round, fail to meet their peers, and the agents fall back to a restart."""
+        try:
+            return int(next_generation(self.in_place_store))
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types
+            log.warning("could not start a new process-group generation for the lost node's place (%s)", e)
+            return None
+
+    def _spawn(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._warm is None:
+            pids = super()._start_workers(worker_group)
+        else:
+            # torch builds each worker's environment and log files, then starts the processes; the pool serves
+            # that start. torch offers no seam for it (see torch_starts_workers_with), and copying its
+            # environment construction would drift from torch's.
+            with torch_starts_workers_with(self._warm.start_processes):
+                pids = super()._start_workers(worker_group)
+            self._refill, self._refill_by = True, self._clock() + REFILL_WAIT_MAX_S
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
+        handler = worker_group.spec.rdzv_handler
+        claim = getattr(handler, "claim_vacancy", None)
+        self._took_over = None
+        if self.in_place_store is not None and not self._rendezvoused and claim is not None:
+            # A node started while its peers pause in place for a lost node: take that node's place, no new round.
+            self._took_over = claim(worker_group.spec.local_world_size)
+        self._rendezvoused = True
         super()._rendezvous(worker_group)
         log.info("rendezvous complete in %.2fs: node %d of %d, world size %d", time.monotonic() - started,
                  worker_group.group_rank, worker_group.group_world_size,

@@ -154,7 +154,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
         if elastic.in_place:  # the workers reach the run's process-group generations in etcd as the agent does
             os.environ[ENV_IN_PLACE] = InPlaceSettings(request.config.rdzv_endpoint, run_id,
                                                        dict(request.config.rdzv_configs),
-                                                       elastic.in_place_timeout_s).to_env()
+                                                       elastic.in_place_timeout_s, elastic.rejoin_wait_s).to_env()
         replacer = _straggler_replacer(elastic, client, settings.run_prefix, request.config.min_nodes, relay,
                                        lambda: publisher.node if publisher else None,
                                        lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)

@@ -120,7 +120,7 @@ def _torchrun_defaults(e: ElasticConfig) -> dict[str, Any]:
 def rdzv_configs(e: ElasticConfig) -> dict[str, Any]:
     """The rendezvous settings of the `elastic` section, as `--rdzv-conf` keys (a key given there wins)."""
     return {"lease_ttl": e.lease_ttl_s, "last_call_timeout": e.join_grace_s, "rejoin_wait": e.rejoin_wait_s,
-            "join_timeout": e.rdzv_timeout_s}
+            "join_timeout": e.rdzv_timeout_s, "in_place_rejoin": e.rejoin_wait_s if e.in_place else 0}
 
 
 def health_from_args(args: argparse.Namespace) -> HealthConfig:

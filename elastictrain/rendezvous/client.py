@@ -345,6 +345,13 @@ class EtcdClient:
         what = f"conditional delete {key}"
         return self._write_once(what, self._new_request(), [tx.Mod(key) == revision], [tx.Delete(key)], []).applied
 
+    def move(self, key: str, revision: int, to: str, value: bytes) -> bool:
+        """Delete `key` and write `to` in one transaction, iff `key`'s mod revision is still `revision`; True when
+        this call did it (a claim: of two callers racing for the same key, one wins)."""
+        what = f"move {key} to {to}"
+        compare, success = [tx.Mod(key) == revision], [tx.Delete(key), tx.Put(to, value)]
+        return self._write_once(what, self._new_request(), compare, success, []).applied
+
     def add(self, key: str, amount: int) -> int:
         """Atomically add `amount` to the integer stored at `key` (absent: 0); return the new value.
 

@@ -19,6 +19,7 @@ DEFAULTS: dict[str, Any] = {
     "outage_tolerance": 60.0,  # s; how long a running job rides out an unreachable etcd
     "last_call_timeout": 2,  # s; torch's default (30 s) mostly adds idle time after a node loss
     "rejoin_wait": 0,  # s; of a re-forming round's last call, kept for a lost node to come back
+    "in_place_rejoin": 0,  # s; a lost node's place held for a new node to take over in place (0: a new round)
     "join_timeout": 600,  # s; torch's default
     "close_timeout": 30,  # s; torch's default
     "heartbeat_timeout": 5,  # s; torch's default

@@ -63,6 +63,9 @@ class InPlaceSettings:
     """torchrun's --rdzv-conf (TLS files, credentials, key prefix): the same etcd access the agent has."""
     timeout_s: float = 60.0
     """The longest a survivor waits for the replaced rank's generation before it gives up on the in-place path."""
+    rejoin_s: float = 0.0
+    """`elastic.rejoin_wait_s`: how long a lost node's place is held for a new node to take over in place
+    (rendezvous/vacancy.py); 0: a lost node ends the in-place path at once."""
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), default=str)
@@ -74,7 +77,7 @@ class InPlaceSettings:
             return None
         data = json.loads(raw)
         return cls(str(data["endpoint"]), str(data["run_id"]), dict(data.get("conf") or {}),
-                   float(data.get("timeout_s", 60.0)))
+                   float(data.get("timeout_s", 60.0)), float(data.get("rejoin_s", 0.0)))
 
 
 def generations_store(client: Any, run_prefix: str) -> dist.Store:
@@ -149,7 +152,8 @@ class InPlace:
 
         `beat` keeps the agent's hang detector informed; `stop` (SIGTERM: the agents chose a full restart) ends the
         wait. A node of the job that loses its etcd lease meanwhile (a lost node: no agent replaces its ranks) ends
-        it too. Raises `InPlaceFailed` then, and after `timeout_s`.
+        it too, unless its place is held for a new node (`rejoin_s`): then the wait lasts until that node's generation
+        comes or the agents give up on it (a SIGTERM). Raises `InPlaceFailed` when it ends, and after `timeout_s`.
         """
         assert self.generation is not None, "the loop reads the generation at its start"
         deadline = time.monotonic() + self.settings.timeout_s
@@ -164,9 +168,14 @@ class InPlace:
             if time.monotonic() - checked >= _NODES_POLL_S:
                 checked = time.monotonic()
                 lost = sorted(nodes - self._nodes())
-                if lost:
+                if lost and self.settings.rejoin_s <= 0:
                     raise InPlaceFailed(f"node(s) {', '.join(lost)} left the job while paused in place; "
                                         f"restarting every worker instead")
+                if lost:  # its place is held: wait for the node that takes it over (or for the agents' SIGTERM)
+                    log.warning("node(s) %s left the job while paused in place; waiting up to %.0f s for a node to "
+                                "take over (elastic.rejoin_wait_s)", ", ".join(lost), self.settings.rejoin_s)
+                    nodes -= set(lost)
+                    deadline = max(deadline, time.monotonic() + self.settings.rejoin_s + 15.0)
             if time.monotonic() >= deadline:
                 raise InPlaceFailed(f"no replacement joined within {self.settings.timeout_s:g} s "
                                     f"(elastic.in_place_timeout_s); restarting every worker instead")

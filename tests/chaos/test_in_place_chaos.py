@@ -1,6 +1,7 @@
-"""Pause in place (`elastic.in_place`) under a real 2-node `elastictrain run`: a SIGKILLed worker is replaced alone;
-the other node's worker keeps its process and state, waits at the step boundary, rebuilds the process group with the
-replacement and continues from the newest in-memory snapshot; the job ends bitwise-equal to an uninterrupted run."""
+"""Pause in place (`elastic.in_place`) under a real 2-node `elastictrain run`: a SIGKILLed or stopped worker, or a
+lost node started again, is replaced alone; the other node's worker keeps its process and state, waits at the step
+boundary, rebuilds the process group with the replacement and continues from the newest in-memory snapshot; the job
+ends bitwise-equal to an uninterrupted run. A lost node whose place is not held falls back to a restart."""
 
 from __future__ import annotations
 
@@ -26,44 +27,70 @@ def in_place_job(tmp_path, etcd, run_id):
     j.teardown()
 
 
-def test_a_killed_then_a_stopped_worker_are_replaced_alone_then_a_lost_node_falls_back_to_a_restart(in_place_job,
-                                                                                                   reference):
+def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_place_job, reference):
     """A worker SIGKILL, then a worker SIGSTOP (a hang: its agent kills and replaces it; the other node's agent sees
-    its own worker silent but waiting, and gives the peer's agent time): each time the survivor keeps its process,
-    only the victim is replaced, at most one step is redone. Then a node SIGKILL (agent and worker: no agent is left
-    to replace its rank) and the same command again: the survivor sees the node's lease expire while paused, gives up
-    the in-place path, and the agents restart every worker and re-form with the re-joined node. The job ends
-    bitwise-equal to an uninterrupted run, every sample consumed exactly once."""
+    its own worker silent but waiting, and gives the peer's agent time), then a node SIGKILL (agent and worker) and
+    the same command again: the new node takes the lost node's place in the running round (its place is held for
+    `elastic.rejoin_wait_s`) and its worker joins the survivor's next process-group generation. Each time the survivor
+    keeps its process, only the victim is replaced, no new rendezvous round forms, at most one step is redone. The
+    job ends bitwise-equal to an uninterrupted run, every sample consumed exactly once."""
     job = in_place_job
     a, b = start_two(job)
     survivor = job.wait_workers(a)
     saved = job.valid_checkpoints()
     reached = []
-    for fault in (signal.SIGKILL, signal.SIGSTOP):
+    for fault in (signal.SIGKILL, signal.SIGSTOP, "node"):
         victim = job.wait_workers(b)
         reached.append(job.max_step())
-        signal_worker(b.pid, fault)
+        if fault == "node":
+            b.kill()
+            b = job.start_node("b")
+        else:
+            signal_worker(b.pid, fault)
         job.wait_for_step(reached[-1] + 3, world_size=2)
-        assert job.wait_workers(a) == survivor, f"{fault.name}: the survivor was restarted instead of pausing in place"
-        assert job.wait_workers(b) != victim, f"{fault.name}: the victim was not replaced"
-    evs = events(job)
-    replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
-    assert [e.fields["replaced_ranks"] for e in replaced] == [[1], [1]], [(e.kind, e.fields) for e in evs]
-    resumed = [e for e in evs if e.kind == "in_place_resumed"]
-    assert len(resumed) == 2, [(e.kind, e.fields) for e in evs]
-    # The snapshot of the step before each fault (or the fault's own) is where both continue: at most one step redone.
-    for e, r in zip(resumed, reached):
-        assert e.fields["step"] >= r - 1, (e.fields, r)
-    assert sum(1 for e in evs if e.kind == "join") == 2, "the agents re-formed the group instead of pausing in place"
-    assert [e for e in evs if e.kind == "hang"], "the stopped worker was not caught as hung"
-
-    b.kill()
-    b = job.start_node("b")
+        name = getattr(fault, "name", fault)
+        assert job.wait_workers(a) == survivor, f"{name}: the survivor was restarted instead of pausing in place"
+        assert job.wait_workers(b) != victim, f"{name}: the victim was not replaced"
     assert job.wait([a, b]) == [0, 0], job.logs()
     summary = assert_recovered(job, saved, ON_TWO)
     assert_same_train_state(summary, reference.summary)
+
     evs = events(job)
-    assert [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
-        "the node loss did not fall back to a restart of every worker"
-    assert len([e for e in evs if e.kind == "restart" and e.fields.get("in_place")]) == 2, \
-        "a lost node's rank was 'replaced in place' with no agent to start it"
+    replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
+    assert [e.fields["replaced_ranks"] for e in replaced] == [[1], [1], [1]], [(e.kind, e.fields) for e in evs]
+    assert replaced[-1].fields["reason"] == "node re-join", replaced[-1].fields
+    assert not [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
+        "a fault was recovered by restarting every worker instead of in place"
+    resumed = [e for e in evs if e.kind == "in_place_resumed"]
+    assert len(resumed) == 3, [(e.kind, e.fields) for e in evs]
+    # The snapshot of the step before each fault (or the fault's own) is where both continue: at most one step redone
+    # (for the lost node: the replica of its snapshot on the survivor's node).
+    for e, r in zip(resumed, reached):
+        assert e.fields["step"] >= r - 1, (e.fields, r)
+    # Two joins of the first round, one of the node that took the lost one's place: no round was formed again.
+    assert sum(1 for e in evs if e.kind == "join") == 3, "the agents re-formed the group instead of pausing in place"
+    assert [e for e in evs if e.kind == "hang"], "the stopped worker was not caught as hung"
+
+
+def test_a_lost_node_whose_place_is_not_held_falls_back_to_a_restart_of_every_worker(tmp_path, etcd, run_id,
+                                                                                   reference):
+    """Without `elastic.rejoin_wait_s` nobody will take a lost node's ranks: the survivor gives up the in-place path
+    as soon as the node's lease expires, and the agents restart every worker; the job (2:2) re-forms when the node is
+    started again, and ends bitwise-equal to an uninterrupted run."""
+    job = Job(tmp_path, etcd.endpoint, run_id, nnodes="2:2",
+              extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a, b = start_two(job)
+        saved = job.valid_checkpoints()
+        b.kill()
+        b = job.start_node("b")
+        assert job.wait([a, b]) == [0, 0], job.logs()
+        summary = assert_recovered(job, saved, ON_TWO)
+        assert_same_train_state(summary, reference.summary)
+        evs = events(job)
+        assert [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], \
+            "the node loss did not fall back to a restart of every worker"
+        assert not [e for e in evs if e.kind == "restart" and e.fields.get("in_place")], \
+            "a lost node's rank was 'replaced in place' with no agent to start it"
+    finally:
+        job.teardown()

@@ -1,5 +1,6 @@
 """The process-group generations of pause in place, on a real etcd: a survivor waits for the agent's bump, and gives up
-(to a restart of every worker) when a node of the job leaves, when it is stopped, or after its timeout."""
+(to a restart of every worker) when a node of the job leaves (unless its place is held for a new node), when it is
+stopped, or after its timeout."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def agent_side(etcd, run_id):
     client.close()
 
 
-def _survivor(etcd, run_id, timeout_s: float = 30.0) -> InPlace:
-    worker = InPlace(InPlaceSettings(etcd.endpoint, run_id, {}, timeout_s), rank=0, world_size=2)
+def _survivor(etcd, run_id, timeout_s: float = 30.0, rejoin_s: float = 0.0) -> InPlace:
+    worker = InPlace(InPlaceSettings(etcd.endpoint, run_id, {}, timeout_s, rejoin_s), rank=0, world_size=2)
     worker.generation = worker.read_generation()
     return worker
 
@@ -59,6 +60,20 @@ def test_a_node_that_leaves_while_survivors_wait_ends_the_wait_at_once(etcd, run
         with pytest.raises(InPlaceFailed, match="node\\(s\\) b left the job"):
             worker.wait_next(beat=lambda: None, stop=lambda: False)
         assert time.monotonic() - started < 20, "it gave up on the node's departure, not on the timeout"
+    finally:
+        worker.close()
+
+
+def test_with_its_place_held_a_node_that_leaves_is_waited_for_until_its_replacement_starts_a_generation(
+        etcd, run_id, agent_side):
+    """`elastic.rejoin_wait_s`: the lost node's place is held for a new node (rendezvous/vacancy.py), so the survivor
+    keeps waiting, past its own timeout, and joins the generation the new node's agent starts."""
+    client, prefix = agent_side
+    worker = _survivor(etcd, run_id, timeout_s=0.5, rejoin_s=30)
+    _later(0.3, lambda: client.delete(f"{prefix}/nodes/b"))
+    _later(2.0, lambda: (client.put(f"{prefix}/nodes/c", b"{}"), next_generation(generations_store(client, prefix))))
+    try:
+        assert worker.wait_next(beat=lambda: None, stop=lambda: False) == 1
     finally:
         worker.close()
 

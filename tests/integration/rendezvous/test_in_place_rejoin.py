@@ -1,0 +1,98 @@
+"""A lost node's place held for an in-place take-over (`--rdzv-conf in_place_rejoin`, rendezvous/vacancy.py), with
+the real handler on a real etcd: survivors do not ask for a new round while the place is held; a new node of the
+same size takes it (the lost node's group rank in the running round, its store and bootstrap address); a node of
+another size cannot; an unclaimed place expires and the survivors then ask for a new round."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.etcd_handler import EtcdRendezvousHandler, create_etcd_handler
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.rendezvous.vacancy import Vacancies
+from tests.fixtures.etcd import EtcdHandle
+from tests.integration.rendezvous.test_handler import _kill_without_goodbye, _params, _rendezvous_all
+
+Two = tuple[EtcdRendezvousHandler, EtcdRendezvousHandler, list]
+
+
+def _form_two(etcd: EtcdHandle, run_id: str, hold_s: float) -> Two:
+    """Two nodes in round 1 (1 worker each, as torch's agent records it in the round's store); (lost, survivor)."""
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=hold_s)) for _ in range(2)]
+    infos = _rendezvous_all(handlers)
+    for info in infos:
+        info.store.set(f"torchelastic/role_info/{info.rank}", json.dumps({"role": "default", "rank": info.rank,
+                                                                          "local_world_size": 1}))
+    # The harder case: the lost node held group rank 0 (it also wrote the round's bootstrap address).
+    lost, survivor = sorted(handlers, key=lambda h: infos[handlers.index(h)].rank)
+    return lost, survivor, infos
+
+
+def _vacancies(etcd: EtcdHandle, run_id: str, hold_s: float) -> Vacancies:
+    client = EtcdClient(EtcdSettings.from_conf(etcd.endpoint, run_id, {}))
+    client.connect()
+    return Vacancies(client, EtcdSettings.from_conf(etcd.endpoint, run_id, {}).run_prefix, hold_s)
+
+
+def _wait_for_offer(survivor: EtcdRendezvousHandler, vacancies: Vacancies, lost: str) -> None:
+    start = time.monotonic()
+    while not vacancies.is_open(lost):
+        assert survivor.num_nodes_waiting() == 0, "the survivor asked for a new round instead of holding the place"
+        assert time.monotonic() - start < 10, "the lost node's place was never offered"
+        time.sleep(0.1)
+
+
+def test_a_new_node_of_the_same_size_takes_the_lost_nodes_place_in_the_running_round(etcd: EtcdHandle,
+                                                                                    run_id: str) -> None:
+    lost, survivor, infos = _form_two(etcd, run_id, hold_s=30)
+    boot = infos[0].bootstrap_store_info
+    vacancies = _vacancies(etcd, run_id, 30)
+    _kill_without_goodbye(lost)
+    _wait_for_offer(survivor, vacancies, lost.this_node)
+
+    bigger = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
+    assert bigger.claim_vacancy(local_world_size=2) is None, "a node with 2 workers took the place of one with 1"
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
+    claim = newcomer.claim_vacancy(local_world_size=1)
+    assert claim is not None and claim.lost == lost.this_node and claim.group_rank == 0
+    assert bigger.claim_vacancy(local_world_size=1) is None, "one place was taken twice"
+
+    info = newcomer.next_rendezvous()  # no round: the lost node's place in round of the survivor
+    assert (info.rank, info.world_size) == (0, 2)
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == \
+        (boot.master_addr, boot.master_port)
+    assert json.loads(info.store.get("torchelastic/role_info/0"))["local_world_size"] == 1, "not the round's store"
+    assert newcomer.took_over is not None and newcomer.took_over.lost == lost.this_node
+
+    for _ in range(10):  # the survivor now counts the newcomer as the member, not the lost node
+        assert survivor.num_nodes_waiting() == 0
+        time.sleep(0.1)
+    assert vacancies.claimer(lost.this_node) == newcomer.this_node
+    assert not vacancies.is_open(lost.this_node)
+
+    # The newcomer is a member like any other: when it is lost too, its place is held again.
+    _kill_without_goodbye(newcomer)
+    _wait_for_offer(survivor, vacancies, newcomer.this_node)
+    for h in (survivor, bigger):
+        h.shutdown()
+    vacancies.client.close()
+
+
+def test_an_unclaimed_place_expires_and_the_survivor_asks_for_a_new_round(etcd: EtcdHandle, run_id: str) -> None:
+    lost, survivor, _ = _form_two(etcd, run_id, hold_s=2)
+    vacancies = _vacancies(etcd, run_id, 2)
+    _kill_without_goodbye(lost)
+    _wait_for_offer(survivor, vacancies, lost.this_node)
+    start = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - start < 15, "the held place never expired"
+        time.sleep(0.1)
+    late = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=2))
+    assert late.claim_vacancy(local_world_size=1) is None, "an expired place was taken"
+    infos = _rendezvous_all([survivor, late])  # the usual way in: a new round
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    for h in (survivor, late):
+        h.shutdown()
+    vacancies.client.close()
