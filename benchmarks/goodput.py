@@ -26,6 +26,13 @@ the window opened; work a rollback threw away is not counted. Goodput = (useful 
 fault-free steps/s of the same system and job. Recovery time: fault to the first step completed by a group
 launched after it (recovery.py's `recovery_stats`); steps lost: steps the old groups completed that the new one
 runs again. Systems alternate order over `--rounds`; the summary holds medians over rounds.
+
+Beside it, for ours: the time ledger the agents kept in etcd (`elastictrain/agent/ledger.py`), read as
+`elastictrain status --json` reads it, over the whole job (`ettr_job`) and over the same fault window
+(`ledger.window`: its buckets, `ettr`, `productive` = (training + checkpoint) / wall). The relation, tested in
+tests/unit/benchmarks/test_goodput_ledger.py: goodput = productive x fault-free step time / step time while training
+(the ledger counts a slow step as training, goodput as less work); at the fault-free pace goodput = productive
+= ETTR + checkpoint / wall, and steps_thrown_away = the ledger's recomputed steps.
 """
 
 from __future__ import annotations
@@ -52,8 +59,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _trained, recovery_stats  # noqa: E402
+from elastictrain.agent.budget import RestartBudget  # noqa: E402
+from elastictrain.agent.jobstate import collect  # noqa: E402
+from elastictrain.agent.ledger import window  # noqa: E402
+from elastictrain.agent.status import read_events, read_job  # noqa: E402
 from elastictrain.chaos.process_signals import signal_worker  # noqa: E402
+from elastictrain.cli.target import JobConnection  # noqa: E402
+from elastictrain.rendezvous.client import EtcdClient  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
+from elastictrain.rendezvous.settings import EtcdSettings  # noqa: E402
 from elastictrain.runtime.audit import committed_timeline  # noqa: E402
 from elastictrain.runtime.warmstart import idle_spares  # noqa: E402
 from tests.chaos.cluster import GLOBAL_BATCH, Node  # noqa: E402
@@ -229,10 +243,49 @@ def decompose(r: dict, duration: float) -> dict:
             "useful_fraction": round(r["useful_steps"] / ran, 3) if ran else None}
 
 
+def read_time_ledger(job: Job) -> dict:
+    """Ours: the job's records in etcd, read while it runs: the ledger as `elastictrain status --json` shows it
+    (`jobstate.collect`), and the event log and restart records for `time_ledger`'s window."""
+    settings = EtcdSettings.from_conf(str(job.endpoint), job.run_id, {})
+    client = EtcdClient(settings)
+    try:
+        client.connect()
+        view = collect(JobConnection(client, settings), events=0, checkpoint=False)
+        record = read_job(client, settings.run_prefix)
+        return {"status_ledger": view.ledger, "events": read_events(client, settings.run_prefix),
+                "restarts": RestartBudget(client, settings.run_prefix).records(),
+                "started": record.started if record is not None else None}
+    except Exception as e:  # noqa: BLE001 - a side figure: the benchmark's own numbers stand without it
+        return {"error": f"could not read the time ledger from etcd: {e}"}
+    finally:
+        client.close()
+
+
+def time_ledger(records: dict, wall_offset: float, r: dict, t0: float, t_end: float, duration: float) -> dict:
+    """The ledger beside the goodput figure: over the whole job (what `status` showed at the window's end) and over
+    the fault window (monotonic `t0`/`t_end` + `wall_offset` = the agents' Unix times)."""
+    if "error" in records:
+        return {"error": records["error"]}
+    led = records["status_ledger"] or {}
+    w = window(records["events"], restarts=records["restarts"], started=records["started"],
+               since=t0 + wall_offset, until=t_end + wall_offset, since_step=r["window_start_step"] + 1,
+               until_step=r["window_end_step"] + 1)
+    speed = (r["decomposition"] or {}).get("speed_while_training")
+    return {"ettr_job": led.get("ettr"), "wall_s_job": led.get("wall_s"), "buckets_job": led.get("buckets"),
+            "window": w, "ettr_window": w["ettr"], "productive_window": w["productive"],
+            "productive_minus_goodput": round(w["productive"] - r["goodput"], 3)
+            if w["productive"] is not None and r["goodput"] is not None else None,
+            "speed_while_training": speed,
+            "productive_x_speed": round(w["productive"] * speed, 3) if w["productive"] is not None and speed else None,
+            "recomputed_steps_window": w["recomputed_steps"],
+            "steps_thrown_away": r["steps_thrown_away"], "window_s": duration}
+
+
 def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faults: list[Fault],
                args: argparse.Namespace) -> dict:
     """One job: fault-free baseline phase, then the fault window; the round's figures and step trace."""
     load_start = round(os.getloadavg()[0], 2)
+    wall_offset = time.time() - time.monotonic()
     t_launch = time.monotonic()
     try:
         job, failed_starts = start(system, conf, work, endpoint, args.start_attempts)
@@ -253,6 +306,7 @@ def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faul
         t_end = t0 + args.duration
         time.sleep(0.1)  # the watch's last poll before the window's end
         done = job.watch.snapshot()
+        records = read_time_ledger(job) if system == "ours" else None
     finally:
         job.close()
     out = analyse(done, events, t_base, t0, t_end)
@@ -266,6 +320,8 @@ def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faul
     out["trace"] = [[round(c.time - t0, 2), c.step, c.world] for c in sorted(done, key=lambda c: c.time)
                     if t_base <= c.time <= t_end]
     out["decomposition"] = decompose(out, args.duration)
+    if records is not None:
+        out["time_ledger"] = time_ledger(records, wall_offset, out, t0, t_end, args.duration)
     return out
 
 
@@ -284,6 +340,10 @@ def summarize(rounds: list[dict], systems: list[str]) -> dict:
             out[s][key] = _median([r[key] for r in rs if r[key] is not None])
         for key in ("uptime_fraction", "speed_while_training", "useful_fraction"):
             out[s][key] = _median([r["decomposition"][key] for r in rs if r["decomposition"][key] is not None])
+        for key in ("ettr_job", "ettr_window", "productive_window", "productive_x_speed", "productive_minus_goodput"):
+            got = [r["time_ledger"].get(key) for r in rs if "time_ledger" in r]
+            if got:
+                out[s][f"time_ledger_{key}"] = _median([x for x in got if x is not None])
         out[s]["steps_lost_per_fault_median"] = _median([x for r in rs for x in r["steps_lost_per_fault"]
                                                          if x is not None])
         out[s]["split_brain_rounds"] = sum(1 for r in rounds if r[s].get("split_brain"))
@@ -438,7 +498,10 @@ def main() -> None:
                   "steps_lost = steps completed before the fault that the new group ran again; decomposition: "
                   "goodput = uptime_fraction (window time not in stalls, gaps between steps > stall_threshold_s) "
                   "x speed_while_training (steps run per unstalled second / fault-free rate) x useful_fraction "
-                  "(useful / steps run)",
+                  "(useful / steps run); time_ledger (ours): the agents' time ledger from etcd as `status --json` "
+                  "reads it, whole job (ettr_job) and the same window (ettr_window; productive_window = (training + "
+                  "checkpoint) / window: goodput = productive_window x fault-free step time / step time while "
+                  "training)",
         "trace": "per round and system: [seconds since the fault window opened, completed step, world size] for "
                  "every step completed by all ranks of its group, from the baseline phase (negative times) on",
     }

@@ -387,6 +387,30 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
     return Ledger(started=t0, until=until, wall_s=until - t0, buckets=buckets, faults=faults, ended=end is not None)
 
 
+def window(events: Iterable[Any], *, since: float, until: float, since_step: Optional[int] = None,
+           until_step: Optional[int] = None, **kw: Any) -> dict[str, Any]:
+    """The ledger over a window [since, until] of a running job: `compute` at `until` (events up to then) less
+    `compute` at `since`, bucket by bucket; the faults noticed inside it. `since_step`/`until_step`: the step the
+    job had reached at each end (`compute`'s `current_step`); `kw`: the rest of `compute`'s arguments.
+
+    Exact when no fault is open at `since` (a training segment straddling it is split at `since`); a save
+    reported within 1 s after `since` counts before it. `productive` = (training + checkpoint) / wall: the
+    fraction the goodput benchmark's figure equals when steps run at the fault-free pace (docs/benchmarks.md)."""
+    evs = [_ev(e) for e in events]
+    kw.pop("now", None)
+    kw.pop("current_step", None)
+    before = compute([e for e in evs if e.time <= since], now=since, current_step=since_step, **kw)
+    after = compute([e for e in evs if e.time <= until], now=until, current_step=until_step, **kw)
+    wall = until - since
+    b = {k: round(after.buckets[k] - before.buckets[k], 3) for k in BUCKETS}
+    faults = [f for f in after.faults if since <= f.at <= until]
+    return {"since": since, "until": until, "wall_s": round(wall, 3), "buckets": b,
+            "ettr": round(b["training"] / wall, 4) if wall > 0 else None,
+            "productive": round((b["training"] + b["checkpoint"]) / wall, 4) if wall > 0 else None,
+            "faults": len(faults), "recomputed_steps": sum(f.recomputed_steps for f in faults),
+            "lost_s": round(sum(b[k] for k in LOST_BUCKETS), 3)}
+
+
 def sample_ledger_recomputed(records: Iterable[dict[str, Any]]) -> int:
     """Steps run more than once according to the sample ledger (`runtime/audit.py` records): for each step, the
     launches that ran it, less one. The independent count `compute`'s recomputed steps must equal."""
@@ -408,4 +432,5 @@ def for_job(events: Iterable[Any], restarts: Iterable[Any], job: Any, nodes: Ite
                    node_updated={n.node: n.updated for n in nodes})
 
 
-__all__ = ["BUCKETS", "FAULT_COST_EVENT", "FaultCost", "Ledger", "compute", "for_job", "sample_ledger_recomputed"]
+__all__ = ["BUCKETS", "FAULT_COST_EVENT", "FaultCost", "Ledger", "compute", "for_job", "sample_ledger_recomputed",
+           "window"]
