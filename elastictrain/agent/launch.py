@@ -160,7 +160,11 @@ def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = 
         args.master_port = 29500
     config, entrypoint, cmd_args = config_from_args(args)
     if elastic is not None:
-        config.rdzv_configs = {**rdzv_configs(elastic), **config.rdzv_configs}
+        given = dict(config.rdzv_configs)
+        config.rdzv_configs = {**rdzv_configs(elastic), **given}
+        if elastic.in_place and "rejoin_wait" in given and "in_place_rejoin" not in given:
+            # `--rdzv-conf rejoin_wait=S` holds a lost node's place as long as elastic.rejoin_wait_s would
+            config.rdzv_configs["in_place_rejoin"] = given["rejoin_wait"]
     health = health_from_args(args)
     effective_timeouts(config.rdzv_configs, health).check()
     user_code = not (args.module and args.training_script == RECIPE_MODULE)

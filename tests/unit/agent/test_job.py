@@ -30,6 +30,18 @@ def test_the_elastic_section_sets_lease_join_grace_and_rejoin_wait():
     assert conf["join_timeout"] == 120
 
 
+def test_with_pause_in_place_a_lost_nodes_place_is_held_as_long_as_the_rejoin_wait_from_the_config_or_a_flag():
+    conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.in_place=true", "--set", "elastic.join_grace_s=30",
+                     "--set", "elastic.rejoin_wait_s=20"]).config.rdzv_configs
+    assert conf["in_place_rejoin"] == 20
+    conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.in_place=true", "--rdzv-conf",
+                     "last_call_timeout=30,rejoin_wait=25"]).config.rdzv_configs
+    assert conf["in_place_rejoin"] == "25"
+    conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.join_grace_s=30",
+                     "--set", "elastic.rejoin_wait_s=20"]).config.rdzv_configs
+    assert conf["in_place_rejoin"] == 0, "without pause in place a lost node starts a new round"
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--rdzv-conf", "lease_ttl=300"], ("rdzv-conf lease_ttl", "rdzv-conf join_timeout")),
     (["--rdzv-conf", "rejoin_wait=20"], ("rdzv-conf rejoin_wait", "rdzv-conf last_call_timeout")),
