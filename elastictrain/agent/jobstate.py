@@ -113,6 +113,9 @@ class JobView:
     tokens_per_s (the dashboard's loss and throughput chart)."""
     last_hang: Optional[HangCulprit] = None
     """The rank the newest hang started at, judged from every node's hang events (read with the events)."""
+    in_place: Optional[dict[str, Any]] = None
+    """The newest recovery in place (`last_in_place`): when, why, the ranks replaced, whether the paused workers
+    resumed and after how long."""
     time: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +186,9 @@ def derive(run_id: str, nodes: list[NodeStatus], now: float, *, pause_requested:
     elif pause_requested:
         state = "paused" if all(m.state == "paused" for m in live) else "pausing"
         since = pause_since or max(m.state_since for m in live)
+    elif any(m.state == "paused" for m in live):
+        # Paused with no pause requested: waiting in place for a failed rank's replacement (`collect` dates it).
+        state = "recovering"
     else:
         state, since = "running", max(m.state_since for m in live)
     problems += [f"node {m.node} ({m.host}) has not reported for {m.updated_age_s:.0f} s" for m in lost]
@@ -213,6 +219,24 @@ def progress_series(events: list[Event], limit: int = PROGRESS_POINTS) -> list[d
         out.append({"step": f["step"], "time": e.time, "loss": num["loss"], "step_time_s": num["step_time_s"],
                     "tokens_per_s": None if rate is None else round(rate, 1)})
     return out[-limit:]
+
+
+def last_in_place(events: list[Event]) -> Optional[dict[str, Any]]:
+    """The newest recovery in place: the replacing agent's `restart` event (in_place) and, once the group went on,
+    rank 0's `in_place_resumed` after it. None when the job never recovered in place."""
+    start = next((e for e in reversed(events) if e.kind == "restart" and e.fields.get("in_place")), None)
+    if start is None:
+        return None
+    f = start.fields
+    done = next((e for e in events if e.kind == "in_place_resumed" and e.time >= start.time - 1.0
+                 and e.fields.get("generation") == f.get("generation")), None)
+    out = {"time": start.time, "node": start.node, "reason": f.get("reason") or "failure",
+           "generation": f.get("generation"), "replaced_ranks": f.get("replaced_ranks") or [],
+           "lost_node": f.get("lost_node"), "resumed": done is not None, "pause_s": None, "step": None,
+           "cause": None}
+    if done is not None:
+        out.update(pause_s=done.fields.get("pause_s"), step=done.fields.get("step"), cause=done.fields.get("cause"))
+    return out
 
 
 def event_dict(e: Event) -> dict[str, Any]:
@@ -284,6 +308,13 @@ def collect(target: Any, *, events: int = 10, checkpoint: bool = True, ledger: b
         log = read_events(client, prefix)
         view.events = [event_dict(e) for e in log[-events:]] if events else []
         view.last_hang = attribute(log)
+        view.in_place = last_in_place(log)
+        if view.state == "recovering" and view.since is None and view.in_place and not view.in_place["resumed"]:
+            view.since = view.in_place["time"]
+            if now - view.since > max_recovering_s:
+                view.problems.append(f"paused in place for {now - view.since:.0f} s (more than "
+                                     f"{max_recovering_s:g} s)")
+                view.healthy = False
         if ledger:
             view.ledger = for_job(log, budget.records(), job, nodes, now).to_dict()
             view.progress = progress_series(log)

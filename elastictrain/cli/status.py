@@ -81,6 +81,7 @@ def render(view: JobView) -> str:
     out += _ledger(view)
     out += _snapshots(view)
     out += _stragglers(view)
+    out += _in_place(view)
     if view.last_hang is not None:
         out.append(f"last hang:  {_clock(view.last_hang.time)} ({_ago(now - view.last_hang.time)} ago) "
                    f"{view.last_hang.describe()}")
@@ -97,6 +98,23 @@ def render(view: JobView) -> str:
         out.append("recent events:")
         out += [f"  {format_event(e)}" for e in view.events]
     return "\n".join(out)
+
+
+def _in_place(view: JobView) -> list[str]:
+    """The newest recovery in place: who was replaced and why, and the pause (or how long it has lasted)."""
+    ip = view.in_place
+    if not ip:
+        return []
+    ranks = ",".join(map(str, ip["replaced_ranks"])) or "-"
+    what = f"rank(s) {ranks} replaced by {ip['node']}"
+    if ip.get("lost_node"):
+        what += f", taking lost node {ip['lost_node']}'s place"
+    when = f"{_clock(ip['time'])} ({_ago(view.time - ip['time'])} ago)"
+    if not ip["resumed"]:
+        return [f"in place:   PAUSED since {when}: {what} (generation {ip['generation']})"]
+    pause = "-" if ip["pause_s"] is None else _ago(ip["pause_s"])
+    cause = f"; {_short(ip['cause'], 60)}" if ip.get("cause") else ""
+    return [f"in place:   {when}: {what}, resumed at step {ip['step']} after {pause} paused{cause}"]
 
 
 LAST_FAULTS = 3

@@ -116,3 +116,22 @@ def test_progress_reports_become_loss_and_tokens_per_second_over_steps():
     assert progress_series(log) == [
         {"step": 10, "time": 1.0, "loss": 4.5, "step_time_s": 0.5, "tokens_per_s": 4096.0},
         {"step": 20, "time": 3.0, "loss": 3.9, "step_time_s": None, "tokens_per_s": None}]
+
+
+def test_workers_paused_with_no_pause_requested_are_a_recovery_in_place_with_its_cause_and_length():
+    from elastictrain.agent.jobstate import last_in_place
+    from elastictrain.agent.status import Event
+
+    v = derive("r", [node("a", phase="paused"), node("b", phase="init")], NOW)
+    assert v.state == "recovering", "workers waiting in place for a replacement are not training"
+    restart = Event(time=NOW - 3, node="b", kind="restart",
+                    fields={"in_place": True, "reason": "node re-join", "generation": 4, "replaced_ranks": [1],
+                            "lost_node": "old-b"})
+    waiting = last_in_place([restart])
+    assert waiting is not None and not waiting["resumed"] and waiting["replaced_ranks"] == [1]
+    assert (waiting["reason"], waiting["lost_node"]) == ("node re-join", "old-b")
+    resumed = Event(time=NOW - 1, node="a", kind="in_place_resumed",
+                    fields={"generation": 4, "failed_step": 17, "step": 17, "pause_s": 2.5, "cause": "peer failed"})
+    done = last_in_place([restart, resumed])
+    assert done is not None and done["resumed"] and (done["pause_s"], done["step"]) == (2.5, 17)
+    assert last_in_place([Event(time=NOW, node="a", kind="restart", fields={"reason": "failure"})]) is None

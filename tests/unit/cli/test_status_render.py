@@ -135,3 +135,14 @@ def test_status_shows_the_ettr_where_the_time_went_and_what_the_last_faults_cost
     assert "faults:     1, " in text and "4 step(s) recomputed" in text
     line = next(ln for ln in text.splitlines() if "worker failure: lost" in ln)
     assert "restart 4.0s, load 2.0s, recompute 4 step(s)" in line and "SIGKILL" in line
+
+
+def test_a_recovery_in_place_shows_who_was_replaced_why_and_the_pause():
+    v = derive("demo", [node("a", phase="paused"), node("b", phase="init")], NOW)
+    v.in_place = {"time": NOW - 3, "node": "b", "reason": "node re-join", "generation": 4, "replaced_ranks": [1],
+                  "lost_node": "old-b", "resumed": False, "pause_s": None, "step": None, "cause": None}
+    text = render(v)
+    assert text.startswith("run demo: RECOVERING")
+    assert "in place:   PAUSED since" in text and "rank(s) 1 replaced by b, taking lost node old-b's place" in text
+    v.in_place.update(resumed=True, pause_s=2.5, step=17, cause="a peer failed during step 17")
+    assert "resumed at step 17 after 2.5s paused; a peer failed during step 17" in render(v)
