@@ -296,7 +296,8 @@ class ElasticAgent(LocalElasticAgent):
             log.warning("took over lost node %s's ranks %s in place (generation %d)", took_over.lost,
                         ", ".join(map(str, ranks)), generation)
             self._emit("restart", reason="node re-join", in_place=True, generation=generation, replaced_ranks=ranks,
-                       lost_node=took_over.lost, pids=dict(pids), remaining_restarts=self._remaining_restarts,
+                       lost_node=took_over.lost, held_since=round(took_over.offered_at, 3), pids=dict(pids),
+                       remaining_restarts=self._remaining_restarts,
                        backoff_s=0.0, step_reached=None)
         return pids
 
