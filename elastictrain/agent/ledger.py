@@ -22,23 +22,35 @@ in-place report, newest save) minus the step the next group loaded; their second
 What the log cannot say is estimated, and documented here: a worker crash is noticed within the agent's monitor
 interval, so without `last_beat_age_s` its detection counts 0 s (the time is in `training`); a group that loaded
 nothing starts training when its last node joined.
+
+A full restart (the job started again on an etcd that holds none of its history, e.g. `elastictrain run`'s
+embedded one) continues the ledger kept beside its checkpoints (`ledger_file.py`): the agent at group rank 0
+appends its totals as one `ledger_carried` event, and `compute` adds them (buckets, faults, wall time) to what this
+etcd saw. The time between the carried ledger's last write and this start, with this start-up (re-forming,
+loading) and the steps run again, is one fault of kind "full restart"; after a job that had ended (succeeded or
+gave up), the time between is `paused` and the start-up `starting`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional
+
+log = logging.getLogger(__name__)
 
 BUCKETS = ("training", "checkpoint", "paused", "detecting", "restarting", "loading", "recomputing", "starting")
 LOST_BUCKETS = ("detecting", "restarting", "loading", "recomputing")
 """What a fault costs (the other non-training buckets are the job's own choice: saves, pauses, start-up)."""
 
 FAULT_COST_EVENT = "fault_cost"
+CARRIED_EVENT = "ledger_carried"
+"""The totals of the job's earlier life, from before this etcd knew it (fields: `carry_record`'s dict)."""
 _INTERRUPTS = {"failure", "hang", "restart", "reform"}
 _LOADS = {"checkpoint_loaded", "checkpoint_snapshot_loaded"}
-_NOT_TRAINING = _INTERRUPTS | _LOADS | {"join", "leave", "drain", "operator", FAULT_COST_EVENT, "in_place_resumed",
-                                        "fatal", "budget_exhausted", "crash_loop", "no_progress", "succeeded"}
 _ENDS = {"succeeded", "fatal", "budget_exhausted", "crash_loop", "no_progress"}
+_NOT_TRAINING = _INTERRUPTS | _LOADS | _ENDS | {"join", "leave", "drain", "operator", FAULT_COST_EVENT, CARRIED_EVENT,
+                                                "in_place_resumed"}
 
 
 @dataclass
@@ -78,6 +90,15 @@ class Ledger:
     buckets: dict[str, float]
     faults: list[FaultCost] = field(default_factory=list)
     ended: bool = False
+    carried: Optional[dict[str, Any]] = None
+    """The earlier life this ledger continues (a full restart): its started, until, wall_s, faults (how many of
+    `faults` come first from it), url; None when this etcd saw the whole job."""
+    step: Optional[int] = None
+    """The highest step the job reached (what a full restart after now would have to get back to)."""
+
+    @property
+    def carried_faults(self) -> int:
+        return int(self.carried["faults"]) if self.carried else 0
 
     @property
     def ettr(self) -> Optional[float]:
@@ -100,7 +121,7 @@ class Ledger:
     def to_dict(self) -> dict[str, Any]:
         return {"started": self.started, "until": self.until, "wall_s": round(self.wall_s, 3),
                 "buckets": self.buckets, "ettr": self.ettr, "recomputed_steps": self.recomputed_steps,
-                "lost_by_cause": self.lost_by_cause(), "ended": self.ended,
+                "lost_by_cause": self.lost_by_cause(), "ended": self.ended, "carried": self.carried, "step": self.step,
                 "faults": [f.to_dict() for f in self.faults]}
 
 
@@ -310,10 +331,16 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
     `final_step`: the step count a job that succeeded ended at (its `train.steps`); `node_updated`: node -> the
     last time its status was written (`NodeStatus.updated`), which dates a lost node's end."""
     evs = sorted((_ev(e) for e in events), key=lambda e: e.time)
-    evs = [e for e in evs if e.kind != FAULT_COST_EVENT]
+    carries = [e for e in evs if e.kind == CARRIED_EVENT]
+    evs = [e for e in evs if e.kind not in (FAULT_COST_EVENT, CARRIED_EVENT)]
     first = evs[0].time if evs else now
     t0 = min(started, first) if started is not None else first
+    carried = _carried(carries, t0)
+    relaunch = carried is not None and not carried["ended"]
     start, gaps, end = _read_gaps(evs, t0)
+    if relaunch and carried is not None:
+        start.kind, start.cause = "full restart", "job started again with no history in etcd (ledger carried)"
+        start.step_reached = carried["step"]
     for g in gaps:
         _judge_lost(g, node_updated or {})
     until = end if end is not None else now
@@ -327,8 +354,9 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
     # training segments: [resume of one gap, fault time of the next)
     chain = [start, *gaps]
     seg_start = start.resumed_at if start.resumed_at is not None else until
-    buckets["starting"] = min(seg_start, until) - t0
+    buckets["starting"] = 0.0 if relaunch else min(seg_start, until) - t0
     faults: list[FaultCost] = []
+    last_reached: Optional[int] = None
     for i, g in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else None
         lo = g.resumed_at if g.resumed_at is not None else until
@@ -352,7 +380,7 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
             nxt.step_reached = reached
         loaded = g.loaded_step if g.loaded_step is not None else (0 if g.resumed_at is not None else None)
         redo = 0
-        if g is not start and g.step_reached is not None and loaded is not None:
+        if (g is not start or relaunch) and g.step_reached is not None and loaded is not None:
             redo = max(0, g.step_reached - loaded)
         ran = (reached - loaded) if reached is not None and loaded is not None else None
         redo_s = 0.0
@@ -364,13 +392,18 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
         buckets["checkpoint"] += min(blocked, seg - paused)
         buckets["recomputing"] += redo_s
         buckets["training"] += net - redo_s
-        if g is start:
+        if nxt is None:
+            last_reached = reached
+        if g is start and not relaunch:
             continue
-        prev_lo = chain[i - 1].resumed_at if chain[i - 1].resumed_at is not None else t0
-        detect = g.at - fault_time(g, prev_lo)
+        prev_lo = chain[i - 1].resumed_at if i and chain[i - 1].resumed_at is not None else t0
+        detect = g.at - fault_time(g, prev_lo) if g is not start else 0.0
         join = g.last_join if g.last_join is not None else g.in_place_at
         resumed = g.resumed_at
         restart_s = (min(join, until) if join is not None else until) - g.at
+        if g is start and carried is not None:  # a full restart: down since the carried ledger's last write
+            g.at = carried["until"]
+            restart_s = max(0.0, t0 - g.at) + (min(join, until) if join is not None else until) - t0
         load_s = (min(resumed, until) - join) if resumed is not None and join is not None else 0.0
         buckets["detecting"] += detect
         buckets["restarting"] += restart_s
@@ -383,8 +416,54 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
             recompute_s=round(redo_s, 3), lost_s=round(detect + restart_s + max(0.0, load_s) + redo_s, 3),
             step_reached=g.step_reached, resumed_step=loaded if resumed is not None else None,
             resumed_at=resumed, complete=complete))
+    wall = until - t0
+    info = None
+    if carried is not None:
+        gap = max(0.0, t0 - carried["until"])
+        if not relaunch:
+            buckets["paused"] += gap  # (a relaunch's gap is in its fault's restart_s, added above)
+        for k in BUCKETS:
+            buckets[k] += carried["buckets"][k]
+        faults = carried["faults"] + faults
+        wall += carried["wall_s"] + gap
+        info = {k: carried[k] for k in ("started", "until", "wall_s", "url")}
+        info["faults"] = len(carried["faults"])
+        t0 = carried["started"]
+        last_reached = _max(last_reached, carried["step"])
     buckets = {k: round(max(0.0, v), 3) for k, v in buckets.items()}
-    return Ledger(started=t0, until=until, wall_s=until - t0, buckets=buckets, faults=faults, ended=end is not None)
+    return Ledger(started=t0, until=until, wall_s=wall, buckets=buckets, faults=faults, ended=end is not None,
+                  carried=info, step=last_reached)
+
+
+MAX_CARRIED_FAULTS = 500
+"""Faults a carried ledger lists (the newest; ~0.4 kB each, one etcd value): older ones stay in its buckets only."""
+
+
+def carry_record(led: Ledger, run_id: str, url: str = "") -> dict[str, Any]:
+    """What a full restart needs to continue `led` (the body of the checkpoint root's `ledger.json`, and the
+    fields of the `ledger_carried` event that brings it into a new etcd)."""
+    return {"version": 1, "run_id": run_id, "url": url, "started": led.started, "until": led.until,
+            "wall_s": round(led.wall_s, 3), "buckets": led.buckets, "ended": led.ended, "step": led.step,
+            "faults": [f.to_dict() for f in led.faults[-MAX_CARRIED_FAULTS:]]}
+
+
+def _carried(carries: list[_Ev], t0: float) -> Optional[dict[str, Any]]:
+    """The first well-formed `ledger_carried` event whose life began before this etcd's history (a later one, or
+    one of a life this etcd saw, is ignored: the totals count once)."""
+    names = {f.name for f in fields(FaultCost)}
+    for e in carries:
+        c = e.fields
+        try:
+            started, until, wall = float(c["started"]), float(c["until"]), float(c["wall_s"])
+            buckets = {k: float(c["buckets"].get(k, 0.0)) for k in BUCKETS}
+            faults = [FaultCost(**{k: v for k, v in f.items() if k in names}) for f in c.get("faults") or []]
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            log.debug("ignoring a malformed %s event: %s", CARRIED_EVENT, err)
+            continue
+        if started < t0 - 1.0:
+            return {"started": started, "until": until, "wall_s": wall, "buckets": buckets, "faults": faults,
+                    "ended": bool(c.get("ended")), "step": _int(c.get("step")), "url": str(c.get("url") or "")}
+    return None
 
 
 def window(events: Iterable[Any], *, since: float, until: float, since_step: Optional[int] = None,
@@ -432,5 +511,5 @@ def for_job(events: Iterable[Any], restarts: Iterable[Any], job: Any, nodes: Ite
                    node_updated={n.node: n.updated for n in nodes})
 
 
-__all__ = ["BUCKETS", "FAULT_COST_EVENT", "FaultCost", "Ledger", "compute", "for_job", "sample_ledger_recomputed",
-           "window"]
+__all__ = ["BUCKETS", "CARRIED_EVENT", "FAULT_COST_EVENT", "FaultCost", "Ledger", "carry_record", "compute",
+           "for_job", "sample_ledger_recomputed", "window"]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import psutil
 
 from elastictrain.agent.ledger import FAULT_COST_EVENT, Ledger, for_job
+from elastictrain.agent.ledger_file import LedgerKeeper
 from elastictrain.rendezvous.client import EtcdClient
 
 if TYPE_CHECKING:
@@ -166,6 +167,9 @@ class EtcdStatusPublisher:
         self._ledger: Optional[Ledger] = None
         self._ledger_at = -1e18
         """A fault may await its `fault_cost` event (set by fault events, cleared once every fault is reported)."""
+        self.keeper = LedgerKeeper(_EtcdRecords(self))
+        """Keeps the ledger beside the checkpoints while this node is group rank 0 (a full restart continues it)."""
+        self.keeper.on_carried = self._reopen_faults
 
     @property
     def status_key(self) -> str:
@@ -214,11 +218,20 @@ class EtcdStatusPublisher:
         self._wake.set()
 
     def flush(self) -> None:
-        """Write the queued events, then the node status (on the caller's thread)."""
+        """Write the queued events, then the node status (on the caller's thread); at group rank 0, keep the
+        ledger beside the checkpoints (on the keeper's thread: storage never holds this one up)."""
+        reported = False
         if self._write_events() and self._faults_open and self.status.group_rank == 0:
-            self._report_faults()
+            reported = self._report_faults()
             self._write_events()  # now: the last flush (close) has no later round
         self.publish()
+        if self.status.group_rank == 0:
+            self.keeper.poke(now=reported)
+
+    def _reopen_faults(self) -> None:
+        """The ledger carried from a full restart's file holds a fault (the restart) whose cost is still to report."""
+        with self._lock:
+            self._faults_open = True
 
     def _write_events(self) -> bool:
         """Write the queued events in order until etcd fails; True if one said the group got further."""
@@ -239,7 +252,7 @@ class EtcdStatusPublisher:
                 self.budget.note_committed(ev.fields["step"])  # what the restart policy calls progress
             progressed = progressed or ev.kind in _PROGRESS_KINDS
 
-    def _report_faults(self) -> None:
+    def _report_faults(self) -> bool:
         """One `fault_cost` event per fault whose cost is final (its steps recomputed), written once, by the node of
         group rank 0: the time ledger (`ledger.py`) over the job's records in etcd, as every reader computes it."""
         try:
@@ -249,10 +262,10 @@ class EtcdStatusPublisher:
                           read_nodes(self.client, self.prefix), time.time())
         except Exception as e:  # etcd down: the next save tries again
             log.debug("could not read the job's records for its fault costs: %s", e)
-            return
+            return False
         reported = {round(e.fields.get("fault_at", 0.0), 3) for e in events if e.kind == FAULT_COST_EVENT}
-        still_open = False
-        for f in led.faults:
+        still_open = wrote = False
+        for f in led.faults[led.carried_faults:]:  # (a carried ledger's faults were reported in their own etcd)
             if round(f.at, 3) in reported:
                 continue
             if not f.complete:
@@ -261,7 +274,9 @@ class EtcdStatusPublisher:
             fields = f.to_dict()
             fields["fault_at"] = fields.pop("at")
             self.on_event(FAULT_COST_EVENT, {**fields, "ettr": led.ettr})
+            wrote = True
         self._faults_open = still_open
+        return wrote
 
     def publish(self) -> None:
         with self._lock:
@@ -319,6 +334,31 @@ class EtcdStatusPublisher:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush()
+        if self.status.group_rank == 0:
+            self.keeper.close()
+
+
+class _EtcdRecords:
+    """The job's records as the ledger keeper (`ledger_file.py`) reads them: through this node's publisher."""
+
+    def __init__(self, pub: EtcdStatusPublisher):
+        self.pub = pub
+
+    def job(self) -> Optional[JobRecord]:
+        return read_job(self.pub.client, self.pub.prefix)
+
+    def events(self) -> list[Event]:
+        return read_events(self.pub.client, self.pub.prefix)
+
+    def ledger(self, events: list[Event], job: Optional[JobRecord]) -> Ledger:
+        restarts = self.pub.budget.records() if self.pub.budget is not None else []
+        return for_job(events, restarts, job, read_nodes(self.pub.client, self.pub.prefix), time.time())
+
+    def append(self, kind: str, fields: dict[str, Any]) -> None:
+        """Written now, not queued: the keeper writes nothing to storage before its carry is in etcd."""
+        ev = Event(time=time.time(), node=self.pub.node, kind=kind, fields=fields)
+        self.pub.client.put(f"{self.pub.prefix}/events/{time.time_ns():020d}-{self.pub.node}",
+                            json.dumps(asdict(ev), default=str).encode())
 
 
 def read_nodes(client: EtcdClient, run_prefix: str) -> list[NodeStatus]:

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.agent.ledger import BUCKETS, compute, for_job, sample_ledger_recomputed
+from elastictrain.agent.ledger import (
+    BUCKETS,
+    CARRIED_EVENT,
+    carry_record,
+    compute,
+    for_job,
+    sample_ledger_recomputed,
+)
 from elastictrain.agent.status import JobRecord, NodeStatus
 
 RECORDED = Path(__file__).parent / "data" / "ledger_recorded.json"
@@ -149,3 +156,63 @@ def test_the_step_reached_is_the_highest_any_node_reports_the_survivor_restarted
     assert_adds_up(led)
     (f,) = led.faults
     assert (f.step_reached, f.resumed_step, f.recomputed_steps) == (7, 4, 3)
+
+
+def _first_life() -> tuple[list[dict], object]:
+    """0-30 s: start, a worker kill at 14 (resumed from step 4), saves up to step 10; the job reached step 12 when
+    the whole of it went down (its last ledger write at 30 s)."""
+    log = [*start(), saved(10, 4), ev(14, "b", "failure", cause="rank 1: Signal 9 (SIGKILL)", step_reached=7),
+           ev(14.1, "b", "restart", reason="failure"), ev(16, "a", "join"), ev(16, "b", "join"),
+           ev(18, "a", "checkpoint_loaded", step=4), saved(25, 10)]
+    return log, compute(log, started=0.0, now=30.0, current_step=12)
+
+
+def test_a_full_restart_on_a_new_etcd_continues_the_carried_ledger_and_is_one_fault_down_time_included():
+    _, first = _first_life()
+    carried = carry_record(first, "r", "file:///c/ledger.json")
+    # the second life: an empty etcd, agents started at 100 s; the carried totals arrive as one event
+    log = [ev(103, "a", "join", group_rank=0), ev(103, "b", "join", group_rank=1),
+           ev(103.5, "a", CARRIED_EVENT, **carried), ev(104, "a", "checkpoint_loaded", step=10), saved(110, 20)]
+    led = compute(log, started=100.0, now=120.0, current_step=24)
+    assert_adds_up(led)
+    assert led.started == 0.0 and led.wall_s == pytest.approx(120.0), "ETTR over the whole job's wall time"
+    assert [f.kind for f in led.faults] == ["worker failure", "full restart"] and led.carried_faults == 1
+    f = led.faults[1]
+    # down from the last write (30 s) to this start (100 s), then re-forming (3 s) and loading (1 s)
+    assert (f.at, f.restart_s, f.load_s, f.step_reached, f.resumed_step) == (30.0, 73.0, 1.0, 12, 10)
+    assert f.recomputed_steps == 2 and led.recomputed_steps == first.recomputed_steps + 2
+    assert led.buckets["starting"] == first.buckets["starting"], "the relaunch's start-up is the fault's"
+    # 16 s of this life's training (104 -> 120, less one 0.5 s save), 2 of 14 steps run again
+    assert led.buckets["training"] == pytest.approx(first.buckets["training"] + 15.5 * 12 / 14, abs=0.01)
+    assert led.ettr == pytest.approx(led.buckets["training"] / 120.0, abs=1e-4)
+    assert led.step == 24 and led.to_dict()["carried"]["url"] == "file:///c/ledger.json"
+
+
+def test_a_carried_ledger_counts_once_and_not_at_all_in_the_etcd_that_saw_its_life():
+    log, first = _first_life()
+    carried = carry_record(first, "r")
+    again = compute([*log, ev(29, "a", CARRIED_EVENT, **carried)], started=0.0, now=30.0, current_step=12)
+    assert again.to_dict() == first.to_dict(), "a re-joining node's carry of the same life changes nothing"
+    second = [ev(103, "a", "join"), ev(103, "b", "join"), ev(104, "a", "checkpoint_loaded", step=10)]
+    once = compute([*second, ev(103.5, "a", CARRIED_EVENT, **carried)], started=100.0, now=120.0)
+    twice = compute([*second, ev(103.5, "a", CARRIED_EVENT, **carried), ev(106, "b", CARRIED_EVENT, **carried)],
+                    started=100.0, now=120.0)
+    assert twice.to_dict() == once.to_dict() and once.wall_s == pytest.approx(120.0)
+
+
+def test_after_a_job_that_ended_the_time_until_it_is_started_again_is_paused_not_a_fault():
+    log, _ = _first_life()
+    ended = compute([*log, ev(28, "a", "succeeded")], started=0.0, now=30.0, final_step=12)
+    second = [ev(103, "a", "join"), ev(103, "b", "join"), ev(104, "a", "checkpoint_loaded", step=12),
+              ev(103.5, "a", CARRIED_EVENT, **carry_record(ended, "r"))]
+    led = compute(second, started=100.0, now=120.0)
+    assert_adds_up(led)
+    assert [f.kind for f in led.faults] == ["worker failure"]
+    assert led.buckets["paused"] == pytest.approx(ended.buckets["paused"] + 72.0)
+    assert led.buckets["starting"] == pytest.approx(ended.buckets["starting"] + 4.0)
+
+
+def test_a_malformed_carried_event_is_ignored():
+    led = compute([ev(103, "a", "join"), ev(103.5, "a", CARRIED_EVENT, started="yesterday")], started=100.0,
+                  now=110.0)
+    assert led.carried is None and led.started == 100.0
