@@ -4,7 +4,8 @@ The agents keep the job's history in etcd, and the time ledger (`ledger.py`) is 
 again on an etcd that holds none of it (`elastictrain run` without `--rdzv-endpoint` starts an empty embedded etcd;
 a wiped cluster) would start a new ledger. So the agent at group rank 0 keeps the ledger's totals
 (`ledger.carry_record`) in `<checkpoint.url>/ledger.json`, through fsspec as the checkpoints are: at its first
-round, every `PERSIST_EVERY_S`, after it reports a fault's cost, and when it stops.
+round, every `PERSIST_EVERY_S`, after a checkpoint save or a fault's cost (at most every `PERSIST_GAP_S`), and
+when it stops.
 
 At its first round it reads that file first. When the file is this job's (same run id and config fingerprint), and
 its history began before anything this etcd knows (the etcd is new, not a node re-joining), it appends the file as
@@ -13,9 +14,9 @@ succeeded it writes nothing: it would overwrite the history it has not carried y
 
 Best effort and off the training path: its own thread, one round at a time; a failed read or write is a warning
 (once, then at debug level until a round works again), never an error. Not covered: the time between the last write
-and a crash of the whole job (at most `PERSIST_EVERY_S`; the full restart counts it as down time, not as the
-training it may have been), and a checkpoint root shared by two different runs (each overwrites the other's file;
-neither carries the other's).
+and a crash of the whole job (the full restart counts it as down time, not as the training it may have been; as the
+file is written after each save, that training is mostly what the restart throws away anyway), and a checkpoint root
+shared by two different runs (each overwrites the other's file; neither carries the other's).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.json"
 PERSIST_EVERY_S = 30.0
-"""How often the agent at group rank 0 rewrites the file (also after each fault_cost event, and at its end)."""
+"""How often the agent at group rank 0 rewrites the file (also at its end)."""
+PERSIST_GAP_S = 5.0
+"""After a checkpoint save or a fault_cost event it rewrites it sooner, but not twice within this."""
 
 
 class JobRecords(Protocol):
@@ -57,9 +60,9 @@ class JobRecords(Protocol):
 class LedgerKeeper:
     """Keeps `<checkpoint.url>/ledger.json` up to date for one agent; carries it into a new etcd once."""
 
-    def __init__(self, records: JobRecords, *, every_s: float = PERSIST_EVERY_S):
+    def __init__(self, records: JobRecords, *, every_s: float = PERSIST_EVERY_S, gap_s: float = PERSIST_GAP_S):
         self.records = records
-        self.every_s = every_s
+        self.every_s, self.gap_s = every_s, gap_s
         self._checked = False
         """The file was read and carried into etcd (or there was nothing to carry)."""
         self._storage: Optional[Storage] = None
@@ -71,12 +74,13 @@ class LedgerKeeper:
         self.on_carried: Optional[Callable[[], None]] = None
         """Called after the file was carried into etcd (the publisher then reports the full restart's cost)."""
 
-    def poke(self, now: bool = False) -> None:
-        """A round on the keeper's thread if one is due (`now`: at once), unless one is running."""
+    def poke(self, soon: bool = False, *, now: bool = False) -> None:
+        """A round on the keeper's thread if one is due (`soon`: `gap_s` after the last; `now`: at once), unless
+        one is running."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            if not now and time.monotonic() - self._last < self.every_s:
+            if not now and time.monotonic() - self._last < (self.gap_s if soon else self.every_s):
                 return
             self._last = time.monotonic()
             self._thread = threading.Thread(target=self.run_once, name="elastictrain-ledger-file", daemon=True)
@@ -165,4 +169,4 @@ def _write(storage: Storage, data: bytes) -> None:
             os.unlink(storage.path(tmp))
 
 
-__all__ = ["LEDGER_FILE", "PERSIST_EVERY_S", "JobRecords", "LedgerKeeper"]
+__all__ = ["LEDGER_FILE", "PERSIST_EVERY_S", "PERSIST_GAP_S", "JobRecords", "LedgerKeeper"]

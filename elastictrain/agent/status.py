@@ -221,12 +221,13 @@ class EtcdStatusPublisher:
         """Write the queued events, then the node status (on the caller's thread); at group rank 0, keep the
         ledger beside the checkpoints (on the keeper's thread: storage never holds this one up)."""
         reported = False
-        if self._write_events() and self._faults_open and self.status.group_rank == 0:
+        progressed = self._write_events()
+        if progressed and self._faults_open and self.status.group_rank == 0:
             reported = self._report_faults()
             self._write_events()  # now: the last flush (close) has no later round
         self.publish()
         if self.status.group_rank == 0:
-            self.keeper.poke(now=reported)
+            self.keeper.poke(soon=progressed or reported)
 
     def _reopen_faults(self) -> None:
         """The ledger carried from a full restart's file holds a fault (the restart) whose cost is still to report."""
