@@ -195,6 +195,13 @@ _KINDS = {"failure": "worker failure", "hang": "hang", "restart": "membership ch
 
 
 def _open(e: _Ev, members: frozenset[str]) -> _Gap:
+    held = e.fields.get("held_since")
+    if e.kind == "restart" and isinstance(held, (int, float)) and held < e.time:
+        # A node that took a lost node's place in place: the survivors paused when the node was lost (its place
+        # held since its lease expired), not when the new node started.
+        return _Gap(at=float(held), kind="node lost", cause=f"node {e.fields.get('lost_node', '?')} lost; its place "
+                    f"taken in place by {e.node}", node=e.node, step_reached=_reached(e), members=members,
+                    seen={e.node})
     return _Gap(at=e.time, kind=_KINDS.get(e.kind, e.kind), cause=_cause(e), node=e.node,
                 detection_s=_detection(e), step_reached=_reached(e), members=members, seen={e.node})
 

@@ -113,6 +113,20 @@ def test_an_in_place_recovery_recomputes_nothing_when_it_resumes_at_the_failed_s
     assert (f.restart_s, f.load_s, f.recomputed_steps, f.resumed_step) == (2.0, 0.0, 0, 9)
 
 
+def test_a_lost_node_replaced_in_place_costs_from_when_its_place_was_held_not_from_the_new_nodes_start():
+    log = [*start(), ev(9, "a", "checkpoint_snapshot_loaded", step=0),
+           ev(14, "c", "restart", reason="node re-join", in_place=True, replaced_ranks=[1], lost_node="b",
+              held_since=10.0),
+           ev(14.1, "c", "join", group_rank=1),
+           ev(15, "a", "in_place_resumed", failed_step=9, step=9, pause_s=5.0), ev(20, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=16)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert (f.kind, f.at) == ("node lost", 10.0)
+    assert "node b lost; its place taken in place by c" in f.cause
+    assert f.restart_s + f.load_s == pytest.approx(5.0) and f.recomputed_steps == 0
+
+
 def test_fault_cost_events_in_the_log_do_not_change_the_ledger():
     log = [*start(), ev(10, "b", "failure", cause="x"), ev(11, "a", "join"), ev(11, "b", "join"),
            ev(12, "a", "checkpoint_loaded", step=0), ev(20, "a", "succeeded")]
