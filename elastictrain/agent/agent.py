@@ -391,6 +391,8 @@ class ElasticAgent(LocalElasticAgent):
             return False
         self._hang_deferred = None
         now = self._clock()
+        if self._warm is not None:  # the replacement took a spare: the next fault needs one too
+            self._refill, self._refill_by = True, now + REFILL_WAIT_MAX_S
         for lr, pid in pids.items():
             worker_group.workers[lr].id = pid
             self._health.workers[lr] = WorkerHealth(local_rank=lr, pid=pid, started=now)

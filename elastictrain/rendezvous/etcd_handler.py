@@ -197,7 +197,20 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """Held places that were taken (their new node joins the members) or that expired (returned: lost)."""
         assert self._vacancies is not None
         expired: set[str] = set()
+        alive = self._liveness.alive_nodes()
         for lost, deadline in list(self._held.items()):
+            if lost in alive:
+                # Not lost after all: its lease lapsed (an agent starved of CPU for lease_ttl) and it registered
+                # again, its workers still running. Nobody may take its place now; its record left the round's
+                # state, so a new round it is, as without a held place.
+                try:
+                    self._vacancies.withdraw(lost)
+                except Exception as e:  # noqa: BLE001 - the place's lease ends the offer anyway
+                    logger.warning("could not withdraw node %s's held place: %s", lost, e)
+                logger.warning("node %s is back (its etcd lease had lapsed); its place is no longer held", lost)
+                del self._held[lost]
+                expired.add(lost)
+                continue
             try:
                 claimer = self._vacancies.claimer(lost)
                 still_open = claimer is None and self._vacancies.is_open(lost)

@@ -114,6 +114,14 @@ class Vacancies:
                 log.warning("ignoring an unreadable in-place vacancy %s: %s", key, e)
         return out
 
+    def withdraw(self, lost: str) -> bool:
+        """Take lost node `lost`'s place off offer (it came back: its lease had lapsed, its workers run on); True
+        when it was still open, False when it was already claimed or gone."""
+        for vacancy, revision in self._listed():
+            if vacancy.lost == lost:
+                return self.client.delete_if_revision(f"{self._vacant}{vacancy.group_rank}", revision)
+        return False
+
     def clear_claims(self) -> None:
         """Forget old claims (a new round: their nodes are members of it like any other)."""
         self.client.delete_prefix(self._claimed)

@@ -18,6 +18,7 @@ user's step it
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import zlib
@@ -126,7 +127,8 @@ class StepLoop:
         """The peer failure the guard caught in the step just run."""
         self.recoveries = 0
         """How often this process recovered in place."""
-        self._progress_at, self._progress_steps = time.monotonic(), 0
+        # The first step is reported at once (a short-lived group still shows on the dashboard), then every 5 s.
+        self._progress_at, self._progress_steps = -math.inf, 0
         self._stuck: Optional[StuckWatch] = None
         self._pausing = False
         self._audit_dir = audit_dir

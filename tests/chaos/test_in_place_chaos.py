@@ -6,10 +6,12 @@ ends bitwise-equal to an uninterrupted run. A lost node whose place is not held 
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
 from elastictrain.chaos.process_signals import signal_worker
+from elastictrain.runtime.warmstart import idle_spares
 from tests.chaos.cluster import Job
 from tests.chaos.test_agent_chaos import ON_TWO, WAIT_FOR_REJOIN, assert_recovered, events, start_two
 from tests.chaos.test_snapshot_chaos import SNAPSHOTS
@@ -51,6 +53,11 @@ def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_
         name = getattr(fault, "name", fault)
         assert job.wait_workers(a) == survivor, f"{name}: the survivor was restarted instead of pausing in place"
         assert job.wait_workers(b) != victim, f"{name}: the victim was not replaced"
+        if fault == signal.SIGKILL:  # the replacement took b's spare: a new one is started for the next fault
+            deadline = time.monotonic() + 90
+            while idle_spares(b.pid)[1] < 1:
+                assert time.monotonic() < deadline, "no spare worker was started again after the in-place replacement"
+                time.sleep(0.2)
     assert job.wait([a, b]) == [0, 0], job.logs()
     summary = assert_recovered(job, saved, ON_TWO)
     assert_same_train_state(summary, reference.summary)

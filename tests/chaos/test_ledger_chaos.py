@@ -145,6 +145,10 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
     costs = [e for e in _events(job) if e["kind"] == FAULT_COST_EVENT]
     assert sorted(round(c["fields"]["fault_at"], 3) for c in costs) == [round(f["at"], 3) for f in led["faults"]]
     assert sum(c["fields"]["recomputed_steps"] for c in costs) == led["recomputed_steps"]
+    # Rank 0 reports its first step at once, then every 5 s: even this job's short-lived groups fill the loss chart.
+    progress = [e for e in _events(job) if e["kind"] == "progress"]
+    assert len({e["fields"]["step"] for e in progress}) >= 3 and all("loss" in e["fields"] for e in progress), \
+        "too few progress events for the dashboard's loss and tokens/s chart"
     text = _cli(job, "status", "--no-checkpoint")
     assert "ETTR:" in text and "node lost: lost" in text and "worker failure: lost" in text, text
     if shot is None:

@@ -96,3 +96,23 @@ def test_an_unclaimed_place_expires_and_the_survivor_asks_for_a_new_round(etcd: 
     for h in (survivor, late):
         h.shutdown()
     vacancies.client.close()
+
+
+def test_a_node_whose_lease_lapsed_and_that_registered_again_is_not_held_and_its_place_cannot_be_taken(
+        etcd: EtcdHandle, run_id: str) -> None:
+    """An agent starved of CPU for its lease's TTL (seen at 150M on 2 cores) drops out of etcd and registers again,
+    its workers running on: its place must not stay on offer (a new node would take the ranks of live workers),
+    and the survivors ask for a new round at once, as without a held place, instead of after `rejoin_wait_s`."""
+    lost, survivor, _ = _form_two(etcd, run_id, hold_s=30)
+    vacancies = _vacancies(etcd, run_id, 30)
+    lost.liveness._client.lease_revoke(lost.liveness._lease_id)  # its keep-alive thread registers it again
+    start = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - start < 10, "the survivor kept holding the place of a node that came back"
+        time.sleep(0.1)
+    assert not vacancies.is_open(lost.this_node)
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
+    assert newcomer.claim_vacancy(local_world_size=1) is None, "a new node took the place of a live one"
+    for h in (lost, survivor, newcomer):
+        h.shutdown()
+    vacancies.client.close()
