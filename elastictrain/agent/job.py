@@ -49,7 +49,7 @@ from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
-from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.rendezvous.settings import EtcdSettings, conf_seconds
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from elastictrain.runtime.inplace import ENV_IN_PLACE, InPlaceSettings, generations_store
 from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_STEPS
@@ -119,6 +119,12 @@ def _checkpoint_url(url: Optional[str]) -> Optional[str]:
     return os.path.abspath(url)
 
 
+def held_place_s(rdzv_conf: dict[str, Any]) -> float:
+    """How long the survivors' agents hold a lost node's place (`--rdzv-conf in_place_rejoin`, which follows
+    `elastic.rejoin_wait_s` or a `rejoin_wait` flag): their workers must wait in place exactly as long."""
+    return conf_seconds(rdzv_conf, "in_place_rejoin", allow_zero=True)
+
+
 def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     """Run this node's agent until the job ends; returns the process exit code."""
     run = RunArgs.split(run_argv)
@@ -154,7 +160,8 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
         if elastic.in_place:  # the workers reach the run's process-group generations in etcd as the agent does
             os.environ[ENV_IN_PLACE] = InPlaceSettings(request.config.rdzv_endpoint, run_id,
                                                        dict(request.config.rdzv_configs),
-                                                       elastic.in_place_timeout_s, elastic.rejoin_wait_s).to_env()
+                                                       elastic.in_place_timeout_s,
+                                                       held_place_s(request.config.rdzv_configs)).to_env()
         replacer = _straggler_replacer(elastic, client, settings.run_prefix, request.config.min_nodes, relay,
                                        lambda: publisher.node if publisher else None,
                                        lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.agent.job import launch_request, load_settings
+from elastictrain.agent.job import held_place_s, launch_request, load_settings
 from elastictrain.agent.launch import get_args_parser
 from elastictrain.agent.spares import FLAGS_WITHOUT_VALUE, RECIPE_MODULE, SCRIPT_PREWARM, RunArgs
 from elastictrain.errors import ConfigError
@@ -37,6 +37,7 @@ def test_with_pause_in_place_a_lost_nodes_place_is_held_as_long_as_the_rejoin_wa
     conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.in_place=true", "--rdzv-conf",
                      "last_call_timeout=30,rejoin_wait=25"]).config.rdzv_configs
     assert conf["in_place_rejoin"] == "25"
+    assert held_place_s(conf) == 25.0, "the survivors' workers wait in place as long as their agents hold the place"
     conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.join_grace_s=30",
                      "--set", "elastic.rejoin_wait_s=20"]).config.rdzv_configs
     assert conf["in_place_rejoin"] == 0, "without pause in place a lost node starts a new round"
