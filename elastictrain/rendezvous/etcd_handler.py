@@ -57,6 +57,9 @@ from elastictrain.rendezvous.vacancy import Vacancies, Vacancy, local_world_size
 
 logger = logging.getLogger(__name__)
 
+_OFFER_GRACE_S = 5.0
+"""Beyond the lease's TTL: how long a node started into a full running round waits for a lost node's place."""
+
 # How long one periodic call (monitor loop, heartbeat) may retry before skipping a beat. Both run on (or hold the
 # lock of) the agent's monitor loop, and a loop held up longer than the agent's MONITOR_STALL_S (2 s) restarts its
 # hang timers: at 2 s each, a node cut off from etcd and its peers stalled 4-5 s a tick and never declared its
@@ -133,11 +136,31 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._vacancies is None:
             return None
         claim = self._vacancies.claim(self.this_node, local_world_size)
+        if claim is None and self._full_round_running():
+            # Started again faster than the lost node's lease expires (seen: 0.7 s early), into a round that has no
+            # room for a scale-up: its place will be offered within the lease's TTL. Joining the round now would
+            # make every survivor restart instead.
+            deadline = time.monotonic() + self._client.settings.lease_ttl + _OFFER_GRACE_S
+            logger.info("the running round is full; waiting up to %.0f s for a lost node's place to be offered",
+                        deadline - time.monotonic())
+            while claim is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                claim = self._vacancies.claim(self.this_node, local_world_size)
         if claim is not None:
             logger.warning("taking over lost node %s's place in round %d in place: group rank %d of %d",
                            claim.lost, claim.round, claim.group_rank, claim.group_world_size)
         self._claim = claim
         return claim
+
+    def _full_round_running(self) -> bool:
+        """A completed, open round with as many nodes as the job allows (no room for this node but a lost one's)."""
+        try:
+            self._state_holder.sync()
+        except Exception as e:  # noqa: BLE001 - etcd blinked: join as usual
+            logger.debug("could not read the rendezvous state: %s", e)
+            return False
+        state = self._state_holder.state
+        return state.complete and not state.closed and len(state.participants) >= self._settings.max_nodes
 
     def _take_over(self, claim: Vacancy) -> RendezvousInfo:
         self._claim, self.took_over = None, claim

@@ -116,3 +116,27 @@ def test_a_node_whose_lease_lapsed_and_that_registered_again_is_not_held_and_its
     for h in (lost, survivor, newcomer):
         h.shutdown()
     vacancies.client.close()
+
+
+def test_a_node_started_before_the_lost_nodes_lease_expired_waits_for_its_place_instead_of_joining(
+        etcd: EtcdHandle, run_id: str) -> None:
+    """The same command started again at once (a supervisor restarting it) meets a full running round, the lost
+    node still in it until its lease expires: it waits for the place to be offered rather than join the round as a
+    scale-up, which would make the survivors restart every worker."""
+    import threading
+
+    lost, survivor, _ = _form_two(etcd, run_id, hold_s=30)
+    _kill_without_goodbye(lost)
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
+    claims: list = []
+    t = threading.Thread(target=lambda: claims.append(newcomer.claim_vacancy(local_world_size=1)), daemon=True)
+    t.start()
+    while t.is_alive():
+        assert survivor.num_nodes_waiting() == 0, "the survivor asked for a new round"
+        time.sleep(0.1)
+    assert claims and claims[0] is not None and claims[0].lost == lost.this_node, \
+        "the early node did not wait for the lost node's place"
+    info = newcomer.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 2)
+    for h in (survivor, newcomer):
+        h.shutdown()
