@@ -75,6 +75,10 @@ CONFS: dict[str, dict] = {
         # the same, recovering in place: a killed worker is replaced alone, its peers keep their processes (#15)
         "in-place": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=1,join_timeout=120", "--heartbeat-timeout", "3",
                      "--set", "checkpoint.snapshot_every_steps=1", "--set", "elastic.in_place=true"],
+        # the same, and a lost node's place held 15 s: a node started again takes it in place, no new round (#15)
+        "in-place-rejoin": ["--rdzv-conf", "lease_ttl=2,last_call_timeout=15,join_timeout=120,rejoin_wait=15",
+                            "--heartbeat-timeout", "3", "--set", "checkpoint.snapshot_every_steps=1",
+                            "--set", "elastic.in_place=true"],
     },
     "stock": {  # --rdzv-conf values (plus is_host, see Job.command)
         "defaults": "",
