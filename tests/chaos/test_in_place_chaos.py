@@ -5,11 +5,15 @@ ends bitwise-equal to an uninterrupted run. A lost node whose place is not held 
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import time
 
 import pytest
 
+from elastictrain.agent.jobstate import event_dict
+from elastictrain.agent.ledger import compute
 from elastictrain.chaos.process_signals import signal_worker
 from tests.chaos.cluster import Job
 from tests.chaos.test_agent_chaos import ON_TWO, WAIT_FOR_REJOIN, assert_recovered, events, start_two
@@ -71,6 +75,11 @@ def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_
     # Two joins of the first round, one of the node that took the lost one's place: no round was formed again.
     assert sum(1 for e in evs if e.kind == "join") == 3, "the agents re-formed the group instead of pausing in place"
     assert [e for e in evs if e.kind == "hang"], "the stopped worker was not caught as hung"
+    # The time ledger (status, dashboard, metrics) tells the same story: three faults, at most one step redone each.
+    led = compute(evs, now=time.time(), final_step=summary["final_step"])
+    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    assert [f.kind for f in led.faults] == ["worker failure", "hang", "node lost"], dump
+    assert led.recomputed_steps <= 3, [f.to_dict() for f in led.faults]
     # The replacement took b's spare: its agent starts a new one for the next fault (here it declines: this short job
     # ends within the refill's minimum; benchmarks/scale.py's long jobs wait for the refilled spare).
     log = (job.out / "agent-b.log").read_text(errors="replace")
