@@ -118,6 +118,8 @@ def test_a_lost_node_replaced_in_place_costs_from_when_its_place_was_held_not_fr
            ev(14, "c", "restart", reason="node re-join", in_place=True, replaced_ranks=[1], lost_node="b",
               held_since=10.0),
            ev(14.1, "c", "join", group_rank=1),
+           # the survivor's agent replicates to the new node at once: bookkeeping, not a sign of training
+           ev(14.5, "a", "checkpoint_snapshot_replicated", peer="c", step=9),
            ev(15, "a", "in_place_resumed", failed_step=9, step=9, pause_s=5.0), ev(20, "a", "succeeded")]
     led = compute(log, started=0.0, now=30.0, final_step=16)
     assert_adds_up(led)
