@@ -130,19 +130,22 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 logger.debug("could not clear old in-place claims: %s", e)
         return info
 
-    def claim_vacancy(self, local_world_size: int) -> Vacancy | None:
+    def claim_vacancy(self, local_world_size: int, wait_s: float | None = None) -> Vacancy | None:
         """Take a lost node's place in the running round, if one is held for a node of `local_world_size` workers
-        (a node started while its peers pause in place); the next `next_rendezvous` then returns that place."""
+        (a node started while its peers pause in place); the next `next_rendezvous` then returns that place.
+
+        Into a running round with no place offered yet, wait up to `wait_s` (default: the lease's TTL + 5 s) for one:
+        a node started again at once comes before its old lease expired, or between the expiry and the survivors'
+        offer (one monitor tick). A node that scales the job up pays that wait once before it joins as usual."""
         if self._vacancies is None:
             return None
         claim = self._vacancies.claim(self.this_node, local_world_size)
-        if claim is None and self._full_round_running():
-            # Started again faster than the lost node's lease expires (seen: 0.7 s early), into a round that has no
-            # room for a scale-up: its place will be offered within the lease's TTL. Joining the round now would
-            # make every survivor restart instead.
-            deadline = time.monotonic() + self._client.settings.lease_ttl + _OFFER_GRACE_S
-            logger.info("the running round is full; waiting up to %.0f s for a lost node's place to be offered",
-                        deadline - time.monotonic())
+        if wait_s is None:
+            wait_s = self._client.settings.lease_ttl + _OFFER_GRACE_S
+        if claim is None and wait_s > 0 and self._round_running():
+            # Joining the round now would make every survivor restart instead (seen: a node 0.7 s early).
+            deadline = time.monotonic() + wait_s
+            logger.info("a round is running; waiting up to %.0f s for a lost node's place to be offered", wait_s)
             while claim is None and time.monotonic() < deadline:
                 time.sleep(0.2)
                 claim = self._vacancies.claim(self.this_node, local_world_size)
@@ -152,15 +155,15 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._claim = claim
         return claim
 
-    def _full_round_running(self) -> bool:
-        """A completed, open round with as many nodes as the job allows (no room for this node but a lost one's)."""
+    def _round_running(self) -> bool:
+        """A completed, open round: the job trains (or its survivors pause in place for a lost node's place)."""
         try:
             self._state_holder.sync()
         except Exception as e:  # noqa: BLE001 - etcd blinked: join as usual
             logger.debug("could not read the rendezvous state: %s", e)
             return False
         state = self._state_holder.state
-        return state.complete and not state.closed and len(state.participants) >= self._settings.max_nodes
+        return bool(state.complete and not state.closed and state.participants)
 
     def _take_over(self, claim: Vacancy) -> RendezvousInfo:
         self._claim, self.took_over = None, claim

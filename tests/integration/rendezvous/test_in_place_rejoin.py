@@ -53,11 +53,12 @@ def test_a_new_node_of_the_same_size_takes_the_lost_nodes_place_in_the_running_r
     _wait_for_offer(survivor, vacancies, lost.this_node)
 
     bigger = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
-    assert bigger.claim_vacancy(local_world_size=2) is None, "a node with 2 workers took the place of one with 1"
+    assert bigger.claim_vacancy(local_world_size=2, wait_s=0) is None, \
+        "a node with 2 workers took the place of one with 1"
     newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
     claim = newcomer.claim_vacancy(local_world_size=1)
     assert claim is not None and claim.lost == lost.this_node and claim.group_rank == 0
-    assert bigger.claim_vacancy(local_world_size=1) is None, "one place was taken twice"
+    assert bigger.claim_vacancy(local_world_size=1, wait_s=0) is None, "one place was taken twice"
 
     info = newcomer.next_rendezvous()  # no round: the lost node's place in round of the survivor
     assert (info.rank, info.world_size) == (0, 2)
@@ -90,7 +91,7 @@ def test_an_unclaimed_place_expires_and_the_survivor_asks_for_a_new_round(etcd: 
         assert time.monotonic() - start < 15, "the held place never expired"
         time.sleep(0.1)
     late = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=2))
-    assert late.claim_vacancy(local_world_size=1) is None, "an expired place was taken"
+    assert late.claim_vacancy(local_world_size=1, wait_s=0) is None, "an expired place was taken"
     infos = _rendezvous_all([survivor, late])  # the usual way in: a new round
     assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
     for h in (survivor, late):
@@ -112,7 +113,7 @@ def test_a_node_whose_lease_lapsed_and_that_registered_again_is_not_held_and_its
         time.sleep(0.1)
     assert not vacancies.is_open(lost.this_node)
     newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
-    assert newcomer.claim_vacancy(local_world_size=1) is None, "a new node took the place of a live one"
+    assert newcomer.claim_vacancy(local_world_size=1, wait_s=0) is None, "a new node took the place of a live one"
     for h in (lost, survivor, newcomer):
         h.shutdown()
     vacancies.client.close()
@@ -120,13 +121,16 @@ def test_a_node_whose_lease_lapsed_and_that_registered_again_is_not_held_and_its
 
 def test_a_node_started_before_the_lost_nodes_lease_expired_waits_for_its_place_instead_of_joining(
         etcd: EtcdHandle, run_id: str) -> None:
-    """The same command started again at once (a supervisor restarting it) meets a full running round, the lost
-    node still in it until its lease expires: it waits for the place to be offered rather than join the round as a
-    scale-up, which would make the survivors restart every worker."""
+    """The same command started again at once (a supervisor restarting it) meets a running round with no place
+    offered yet: the lost node's lease has not expired, or it has and the survivors have not looked since (one
+    monitor tick; a clean-clone CI run hit that window). It waits for the place rather than join the round as a
+    scale-up, which would make the survivors restart every worker. Here: the second window, the harder one (the
+    lost node is already out of the round's state when the newcomer reads it)."""
     import threading
 
     lost, survivor, _ = _form_two(etcd, run_id, hold_s=30)
     _kill_without_goodbye(lost)
+    time.sleep(3.0)  # past the lease's TTL (2 s), and the survivor has not looked yet
     newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
     claims: list = []
     t = threading.Thread(target=lambda: claims.append(newcomer.claim_vacancy(local_world_size=1)), daemon=True)
