@@ -238,8 +238,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 expired.add(lost)
                 continue
             try:
-                claimer = self._vacancies.claimer(lost)
-                still_open = claimer is None and self._vacancies.is_open(lost)
+                # The offer first, then the claim: a claim moves the one to the other in one transaction, so read
+                # the other way round a claim landing in between would look like an offer that expired unclaimed.
+                still_open = self._vacancies.is_open(lost)
+                claimer = None if still_open else self._vacancies.claimer(lost)
             except Exception as e:  # noqa: BLE001 - etcd blinked: judge again at the next tick, or at the deadline
                 logger.debug("in-place vacancy of %s: %s", lost, e)
                 claimer, still_open = None, True

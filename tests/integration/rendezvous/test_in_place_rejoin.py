@@ -144,3 +144,31 @@ def test_a_node_started_before_the_lost_nodes_lease_expired_waits_for_its_place_
     assert (info.rank, info.world_size) == (0, 2)
     for h in (survivor, newcomer):
         h.shutdown()
+
+
+def test_a_claim_landing_while_the_survivor_checks_the_place_is_seen_as_taken_not_expired(etcd: EtcdHandle,
+                                                                                         run_id: str) -> None:
+    """A clean-clone CI run caught the survivor reading the claim (none yet), then the offer (gone: claimed just
+    then), and calling the place expired: every worker restarted. The claim is forced into that moment here."""
+    lost, survivor, _ = _form_two(etcd, run_id, hold_s=30)
+    vacancies = _vacancies(etcd, run_id, 30)
+    _kill_without_goodbye(lost)
+    _wait_for_offer(survivor, vacancies, lost.this_node)
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=30))
+    held = survivor._vacancies
+    assert held is not None
+    is_open = held.is_open
+
+    def claimed_meanwhile(check):
+        def read(node: str):
+            if newcomer.took_over is None and newcomer._claim is None:
+                assert newcomer.claim_vacancy(local_world_size=1, wait_s=0) is not None
+            return check(node)
+        return read
+
+    held.is_open = claimed_meanwhile(is_open)  # the claim lands as the survivor reads the offer
+    assert survivor.num_nodes_waiting() == 0, "a place taken while the survivor looked was called expired"
+    assert survivor.num_nodes_waiting() == 0
+    for h in (survivor, newcomer):
+        h.shutdown()
+    vacancies.client.close()
