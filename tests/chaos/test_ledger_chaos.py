@@ -35,7 +35,9 @@ from tests.chaos.cluster import Job
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-STEPS = 30
+STEPS = 60
+"""Enough steps after the pause request at step 18 (about 2 s of them) that the job is still running when the
+workers see it: with 30, a clean-clone CI run finished the job before it paused."""
 WAIT_FOR_REJOIN = ("elastic.join_grace_s=60", "elastic.rejoin_wait_s=60")
 """The survivor waits for the killed node's re-join: every step on 2 ranks, the same faults on every machine."""
 PAUSED_S = 3.0
