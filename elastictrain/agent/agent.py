@@ -187,9 +187,7 @@ class ElasticAgent(LocalElasticAgent):
         """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
         replaced alone while its peers wait in place. Set before `run`."""
         self._rendezvoused = False
-        self._took_over: Any = None
-        """The lost node's place (rendezvous/vacancy.py) this node took in place at its first rendezvous, else None:
-        its workers join the survivors' next process-group generation."""
+        """A node takes a lost node's place in place (rendezvous/vacancy.py) only at its first rendezvous."""
         self.peer_step_times: dict[int, float] = {}
         """World size -> a calibrated step time other nodes of this run published (set before `run`): the hang
         rule's prior for this agent's first group of that size."""
@@ -273,7 +271,8 @@ class ElasticAgent(LocalElasticAgent):
         self._emit_worker_events(channel.drain()[1])
         self._pending_hang = []
         self._last_tick = None
-        took_over, self._took_over = self._took_over, None
+        # The lost node's place this node's handler took at this rendezvous: its workers join the survivors' group.
+        took_over = getattr(worker_group.spec.rdzv_handler, "took_over", None) if self.in_place_store else None
         generation = self._join_generation(worker_group) if took_over is not None else None
         if generation is not None:  # every local worker replaces one of the lost node's
             os.environ[ENV_GENERATION] = str(generation)
@@ -327,10 +326,9 @@ class ElasticAgent(LocalElasticAgent):
         started = time.monotonic()
         handler = worker_group.spec.rdzv_handler
         claim = getattr(handler, "claim_vacancy", None)
-        self._took_over = None
         if self.in_place_store is not None and not self._rendezvoused and claim is not None:
             # A node started while its peers pause in place for a lost node: take that node's place, no new round.
-            self._took_over = claim(worker_group.spec.local_world_size)
+            claim(worker_group.spec.local_world_size)
         self._rendezvoused = True
         super()._rendezvous(worker_group)
         log.info("rendezvous complete in %.2fs: node %d of %d, world size %d", time.monotonic() - started,

@@ -120,7 +120,7 @@ def _torchrun_defaults(e: ElasticConfig) -> dict[str, Any]:
 def rdzv_configs(e: ElasticConfig) -> dict[str, Any]:
     """The rendezvous settings of the `elastic` section, as `--rdzv-conf` keys (a key given there wins)."""
     return {"lease_ttl": e.lease_ttl_s, "last_call_timeout": e.join_grace_s, "rejoin_wait": e.rejoin_wait_s,
-            "join_timeout": e.rdzv_timeout_s, "in_place_rejoin": e.rejoin_wait_s if e.in_place else 0}
+            "join_timeout": e.rdzv_timeout_s, "in_place_rejoin": 0}
 
 
 def health_from_args(args: argparse.Namespace) -> HealthConfig:
@@ -162,9 +162,9 @@ def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = 
     if elastic is not None:
         given = dict(config.rdzv_configs)
         config.rdzv_configs = {**rdzv_configs(elastic), **given}
-        if elastic.in_place and "rejoin_wait" in given and "in_place_rejoin" not in given:
-            # `--rdzv-conf rejoin_wait=S` holds a lost node's place as long as elastic.rejoin_wait_s would
-            config.rdzv_configs["in_place_rejoin"] = given["rejoin_wait"]
+        if elastic.in_place and "in_place_rejoin" not in given:
+            # pause in place holds a lost node's place as long as the rejoin wait (elastic.rejoin_wait_s or a flag)
+            config.rdzv_configs["in_place_rejoin"] = config.rdzv_configs["rejoin_wait"]
     health = health_from_args(args)
     effective_timeouts(config.rdzv_configs, health).check()
     user_code = not (args.module and args.training_script == RECIPE_MODULE)

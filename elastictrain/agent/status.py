@@ -188,7 +188,7 @@ class EtcdStatusPublisher:
         with self._lock:
             if len(self._events) == self._events.maxlen:
                 log.warning("etcd event queue full (%d): dropping the oldest event", len(self._events))
-            self._events.append((f"{self.prefix}/events/{time.time_ns():020d}-{self.node}", ev))
+            self._events.append((event_key(self.prefix, self.node), ev))
             state = _STATE_AFTER.get(kind, self.status.state)
             if kind == "leave" and self.status.state in ("succeeded", "failed"):
                 state = self.status.state  # how it ended matters more than that it left
@@ -243,7 +243,7 @@ class EtcdStatusPublisher:
                     return progressed
                 key, ev = self._events[0]
             try:
-                self.client.put(key, json.dumps(asdict(ev), default=str).encode())
+                self.client.put(key, _encoded(ev))
             except Exception as e:  # etcd down: keep it for the next round
                 log.warning("could not record %s event in etcd (will retry): %s", ev.kind, e)
                 return progressed
@@ -358,8 +358,16 @@ class _EtcdRecords:
     def append(self, kind: str, fields: dict[str, Any]) -> None:
         """Written now, not queued: the keeper writes nothing to storage before its carry is in etcd."""
         ev = Event(time=time.time(), node=self.pub.node, kind=kind, fields=fields)
-        self.pub.client.put(f"{self.pub.prefix}/events/{time.time_ns():020d}-{self.pub.node}",
-                            json.dumps(asdict(ev), default=str).encode())
+        self.pub.client.put(event_key(self.pub.prefix, self.pub.node), _encoded(ev))
+
+
+def event_key(run_prefix: str, node: str) -> str:
+    """`events/<t_ns>-<node>`: append-only, sorted by time."""
+    return f"{run_prefix}/events/{time.time_ns():020d}-{node}"
+
+
+def _encoded(ev: Event) -> bytes:
+    return json.dumps(asdict(ev), default=str).encode()
 
 
 def read_nodes(client: EtcdClient, run_prefix: str) -> list[NodeStatus]:

@@ -297,6 +297,11 @@ class EtcdClient:
         items = self.call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)), tolerance)
         return {meta.key.decode(): bytes(value) for value, meta in items}
 
+    def get_prefix_revisions(self, prefix: str, tolerance: float | None = None) -> dict[str, tuple[bytes, int]]:
+        """All keys under `prefix` with their values and mod revisions (for a compare-and-swap on each)."""
+        items = self.call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)), tolerance)
+        return {meta.key.decode(): (bytes(value), int(meta.mod_revision)) for value, meta in items}
+
     def count_prefix(self, prefix: str) -> int:
         """How many keys live under `prefix`."""
         return len(self.get_prefix(prefix))

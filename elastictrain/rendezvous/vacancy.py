@@ -104,12 +104,9 @@ class Vacancies:
 
     def _listed(self) -> list[tuple[Vacancy, int]]:
         out = []
-        for key in self.client.get_prefix(self._vacant):
-            found = self.client.get(key)
-            if found is None:
-                continue
+        for key, (value, revision) in self.client.get_prefix_revisions(self._vacant).items():
             try:
-                out.append((Vacancy.from_json(found[0]), found[1]))
+                out.append((Vacancy.from_json(value), revision))
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring an unreadable in-place vacancy %s: %s", key, e)
         return out
