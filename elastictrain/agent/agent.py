@@ -9,6 +9,7 @@ how a hung group is stopped (``_stop_workers``) and what is reported. The rendez
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import os
@@ -75,6 +76,8 @@ MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
 _MAX_DRAIN = 10_000
+# torch >= 2.12 takes the workers' grace period before SIGKILL as an argument; older ones always wait 30 s.
+_TORCH_HAS_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 _UNIX_PATH_MAX = 107
 
 EVENT_KINDS = ("join", "restart", "failure", "hang", "reform", "succeeded", "leave", "fatal", "budget_exhausted",
@@ -164,8 +167,12 @@ class ElasticAgent(LocalElasticAgent):
         warm_spares: bool = True,
         warm_pool: WarmPool | None = None,
     ):
+        kwargs: dict[str, Any] = {"log_line_prefix_template": log_line_prefix_template}
+        if _TORCH_HAS_SHUTDOWN_TIMEOUT:
+            kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout,
-                         log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
+                         **kwargs)
+        self._shutdown_timeout = shutdown_timeout
         self._health = HealthMonitor(health or HealthConfig())
         self._listeners: list[AgentEventListener] = list(listeners)
         self._clock = clock
@@ -484,7 +491,10 @@ class ElasticAgent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # Continue stopped workers so that the graceful signal can reach them before the SIGKILL deadline.
         self._signal_workers(signal.SIGCONT)
-        super()._shutdown(death_sig, timeout)
+        if _TORCH_HAS_SHUTDOWN_TIMEOUT:
+            super()._shutdown(death_sig, timeout)
+        else:  # torch < 2.12: the workers get `death_sig`, then SIGKILL after torch's own 30 s
+            super()._shutdown(death_sig)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)

@@ -228,6 +228,8 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    shutdown_timeout = getattr(config, "shutdown_timeout", None)  # torch < 2.12's LaunchConfig has no such field
+    shutdown_timeout = 30 if shutdown_timeout is None else shutdown_timeout
     agent = ElasticAgent(
         spec,
         config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
@@ -236,7 +238,7 @@ def launch(
         budget=budget,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout if config.shutdown_timeout is not None else 30,
+        shutdown_timeout=shutdown_timeout,
         warm_spares=warm_spares,
         warm_pool=warm_pool,
     )

@@ -294,7 +294,11 @@ def rebind_fsdp(root: torch.nn.Module) -> int:
     for module in root.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is not None:
-            groups += get_state()._fsdp_param_groups
+            state = get_state()
+            if hasattr(state, "_fsdp_param_groups"):
+                groups += state._fsdp_param_groups
+            elif getattr(state, "_fsdp_param_group", None) is not None:  # torch < 2.12: one group per module
+                groups.append(state._fsdp_param_group)
     for group in groups:
         for info in {id(i): i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None}.values():
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
