@@ -146,14 +146,18 @@ def test_a_lora_worker_killed_under_the_agent_resumes_from_its_in_memory_snapsho
            "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id]
     out.mkdir()
     with open(out / "agent.log", "w") as log:
-        # Steps from 3 on take 0.3 s more, so that the kill lands between snapshots of a step past the first save.
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**worker_env(), "ELASTICTRAIN_CHAOS": "slow@ms=300,step=3"},
+        # The last step (index 5) starts 3 s late: the kill lands in that pause, after step 5's snapshot (newer than
+        # the durable step 4) and before the last step and the final save. The sample ledger names a step when it is
+        # computed (index 4 = the fifth step), before its snapshot: hence the wait of 1 s after seeing it.
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**worker_env(), "ELASTICTRAIN_CHAOS": "slow@ms=3000,step=5"},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while ledger_max_step(out) < 5:
+        while ledger_max_step(out) < 4:
             assert proc.poll() is None and time.monotonic() < deadline, (out / "agent.log").read_text()[-3000:]
             time.sleep(0.05)
+        time.sleep(1.0)
+        assert ledger_max_step(out) == 4, "the last step ran before the kill: the test's pause did not hold"
         signal_worker(proc.pid, signal.SIGKILL, rank=1)
         assert proc.wait(timeout=240) == 0, (out / "agent.log").read_text()[-3000:]
     finally:
