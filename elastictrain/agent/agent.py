@@ -445,20 +445,28 @@ class ElasticAgent(LocalElasticAgent):
         return True
 
     def _defer_hang(self, hangs: list[Hang], now: float) -> bool:
-        """In place: workers that are silent only because they wait in a collective on a peer of another node get
-        one more hang timeout. When that peer is the hung one, its own agent kills and replaces it, and these
-        workers' collective fails: they pause in place instead of being restarted. Deferred once per stall: again
-        only after some worker made progress."""
-        if self.in_place_store is None or any(_process_state(h.pid) in _CULPRIT_STATES for h in hangs):
+        """Workers that are silent only because they wait in a collective on a peer of another node get one more
+        hang timeout. When that peer is the hung one, its own agent sees it at the same time, and it alone can tell
+        which worker it is (stopped or in uninterruptible sleep): it names it in its hang event and, in place, kills
+        and replaces it alone (these workers' collective fails and they pause in place). Without this, whichever
+        agent looked first restarted the group, the culprit often unnamed. Out of place this applies only when every
+        hung local worker sleeps (a spinning one may be the culprit) and the group spans nodes; a hang where every
+        worker of every node sleeps (a collective deadlock) is then called one timeout later. Deferred once per
+        stall: again only after some worker made progress."""
+        states = [_process_state(h.pid) for h in hangs]
+        if any(s in _CULPRIT_STATES for s in states):
             return False
+        if self.in_place_store is None:
+            spans_nodes = getattr(self._worker_group, "group_world_size", None) not in (None, 1)
+            if not spans_nodes or any(s != psutil.STATUS_SLEEPING for s in states):
+                return False
         progress = {lr: (w.step, w.phase) for lr, w in self._health.workers.items()}
         if self._hang_deferred == progress:
             return False
         self._hang_deferred = progress
         self._health.rebase(now)
         log.warning("worker(s) %s silent but waiting (%s), not hung themselves: giving a peer's agent one more "
-                    "timeout to replace a hung peer in place", ", ".join(str(h.local_rank) for h in hangs),
-                    ", ".join(_process_state(h.pid) for h in hangs))
+                    "timeout to find a hung peer", ", ".join(str(h.local_rank) for h in hangs), ", ".join(states))
         return True
 
     def _charge_restart(self, worker_group: WorkerGroup) -> float:

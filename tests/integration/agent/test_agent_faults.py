@@ -248,7 +248,7 @@ def test_exhausted_restarts_end_the_job_with_the_hang_as_cause(agent_run):
 
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd3"])
-def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_nodes(
+def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_named_by_its_agent_and_both_nodes_recover(
         agent_run, tmp_path, request, backend):
     if backend == "etcd3":
         endpoint = request.getfixturevalue("etcd").endpoint
@@ -267,14 +267,19 @@ def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_detected_on_both_n
 
     assert a.wait() == 0, a.log()
     assert b.wait() == 0, b.log()
-    stopped, stuck = victim_node.first("hang"), peer_node.first("hang")
-    print(f"[{backend}] hang detected {stopped['time'] - t_fault:.2f}s (stopped worker's node), "
-          f"{stuck['time'] - t_fault:.2f}s (peer stuck in all_reduce)")
-    assert "'stopped'" in stopped["cause"] and "'stopped'" not in stuck["cause"]
+    # The peer's worker only waits in the all_reduce (state sleeping): its agent gives it one more hang timeout, so
+    # the stopped worker's own agent calls the hang first and names it; the peer then sees its collective fail (or
+    # its own hang, or the new round), promptly either way.
+    stopped = victim_node.first("hang")
+    stuck = next(e for e in peer_node.events() if e["kind"] in ("hang", "failure", "restart"))
+    print(f"[{backend}] hang detected {stopped['time'] - t_fault:.2f}s (stopped worker's node); peer's "
+          f"{stuck['kind']} {stuck['time'] - t_fault:.2f}s (peer stuck in all_reduce)")
+    assert "'stopped'" in stopped["cause"] and "'stopped'" not in stuck.get("cause", "")
     assert stuck["time"] - t_fault < 15.0
     rejoined = [e for e in peer_node.events() if e["kind"] == "join"][1]
     print(f"[{backend}] group re-formed {rejoined['time'] - t_fault:.2f}s after SIGSTOP")
-    assert all(d["restart"] >= 1 for d in a.done().values())
+    before = {p for node in (a, b) for p in node.first("join")["pids"].values()}
+    assert not before & {d["pid"] for d in a.done().values()}, "every worker of the group was replaced"
 
 
 def test_sigterm_to_agent_stops_even_a_sigstopped_worker_promptly(agent_run):
