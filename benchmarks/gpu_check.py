@@ -4,8 +4,8 @@ Three runs of the recipe under our agent on one node, each a subprocess, from `-
 
   A  uninterrupted, `--steps` steps (durable checkpoints every `--every` steps, in-memory snapshots);
   B  the same, with its worker SIGKILLed once the first durable checkpoint is committed: the agent must restart
-     it and the run must finish; its final digest is compared with A's (bitwise is reported, not required:
-     CUDA kernels are not all deterministic);
+     it and the run must finish; its final digest is compared with A's (bitwise is reported, not required; the
+     first H200 run, with train.deterministic true, was not bitwise: hence `--deterministic strict` by default);
   C  B's command again with more steps: it must resume from B's last checkpoint (start_step == B's final step);
   D  (--in-place) B with `elastic.in_place: true`: the worker is replaced in place from its snapshot.
 
@@ -37,7 +37,7 @@ CLI = [sys.executable, "-m", "elastictrain.cli.main"]
 def _overrides(args: argparse.Namespace, work: Path, name: str, steps: int, extra: dict) -> list[str]:
     sets = {
         "train.steps": steps, "train.output_dir": work / name / "out", "train.log_every": 1,
-        "train.param_digest": "true", "train.device": args.device,
+        "train.param_digest": "true", "train.device": args.device, "train.deterministic": args.deterministic,
         "checkpoint.url": work / name / "ckpt", "checkpoint.every_steps": args.every,
         "checkpoint.every_seconds": 0, "checkpoint.keep_last": 3, "checkpoint.snapshot_every_steps": "auto",
         "data.global_batch_size": args.global_batch, "data.micro_batch_size": args.micro_batch,
@@ -103,6 +103,7 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=0)
+    p.add_argument("--deterministic", default="strict", help="train.deterministic (strict: bitwise on CUDA)")
     p.add_argument("--in-place", action="store_true", help="a fourth run D: B with elastic.in_place")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
     args = p.parse_args()

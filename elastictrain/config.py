@@ -149,8 +149,10 @@ class TrainConfig:
     log_every: int = 10
     progress: bool = True
     """A progress bar on rank 0 (only when stderr is a terminal)."""
-    deterministic: bool = True
-    """torch.use_deterministic_algorithms(warn_only=True) and fixed seeds everywhere."""
+    deterministic: Union[bool, Literal["strict"]] = True
+    """Fixed seeds everywhere and torch.use_deterministic_algorithms: true: warn-only (on CUDA the attention
+    backward stays non-deterministic, so runs are not bitwise there); "strict": deterministic kernels or torch's
+    error naming the op without one (bitwise on CUDA too); false: neither."""
     collective_timeout_s: float = 600.0
     """Process-group timeout; the agent's hang detection usually fires long before."""
     output_dir: str = "runs/default"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -24,13 +24,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def configure_determinism(enabled: bool) -> None:
-    """Ask torch for deterministic kernels (warn-only: ops without one still run, with a warning)."""
+def configure_determinism(enabled: Union[bool, str]) -> None:
+    """Ask torch for deterministic kernels. True: warn-only (an op without one still runs, with a warning). On CUDA
+    torch's attention kernels (flash, cuDNN, memory-efficient) then keep their faster non-deterministic backward,
+    so runs are not bitwise there. "strict": deterministic kernels, attention included, and torch's own error
+    naming any op that has none: the setting for bitwise runs on CUDA."""
+    if enabled not in (True, False, "strict"):
+        raise ValueError(f"deterministic must be true, false or 'strict', not {enabled!r}")
     if not enabled:
         return
     # cuBLAS needs this before its first handle is created to be deterministic.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=enabled != "strict")
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
 

@@ -69,7 +69,7 @@ class StopFlag:
 class Worker:
     """One training process of an elastic job; a context manager (see the module doc)."""
 
-    def __init__(self, *, seed: int = 0, device: str = "auto", deterministic: bool = True,
+    def __init__(self, *, seed: int = 0, device: str = "auto", deterministic: bool | str = True,
                  collective_timeout_s: float = 600.0, log_level: Optional[str] = "INFO"):
         self.seed = int(seed)
         self.log_level = log_level

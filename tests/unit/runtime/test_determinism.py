@@ -37,3 +37,28 @@ def test_derived_seeds_are_stable_and_distinct():
     assert derive_seed(1, "resume", 10, 0) != derive_seed(2, "resume", 10, 0)
     # known value: guards against an accidental change of the derivation (which would break resumes)
     assert derive_seed(0) == derive_seed(0) and 0 <= derive_seed(0) < 2**63
+
+
+def test_strict_determinism_makes_torch_raise_where_warn_only_would_warn_and_a_bad_mode_is_refused():
+    """`train.deterministic: strict` is what makes CUDA attention pick its deterministic backward (torch does only
+    without warn_only); true stays warn-only; anything else is one clear error."""
+    import pytest
+
+    from elastictrain.config import ConfigError, load_config
+    from elastictrain.runtime.determinism import configure_determinism
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        configure_determinism("strict")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        configure_determinism(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        with pytest.raises(ValueError, match="true, false or 'strict'"):
+            configure_determinism("maybe")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert load_config(None, ["train.deterministic=strict"]).train.deterministic == "strict"
+    assert load_config(None, ["train.deterministic=false"]).train.deterministic is False
+    with pytest.raises(ConfigError, match="train.deterministic"):
+        load_config(None, ["train.deterministic=maybe"])
