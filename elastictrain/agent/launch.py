@@ -33,6 +33,7 @@ from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
 from elastictrain.agent.spares import RECIPE_MODULE, SCRIPT_PREWARM, WarmPool
 from elastictrain.config import ElasticConfig, HangConfig, Timeouts
+from elastictrain.rendezvous.entry_point import ensure_registered
 from elastictrain.rendezvous.settings import conf_seconds
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ def launch(
     master_addr, master_port = _static_master(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
 
+    ensure_registered()
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

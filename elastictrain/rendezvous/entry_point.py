@@ -34,3 +34,12 @@ def etcd3_entry_point(params: RendezvousParameters | None = None) -> EtcdRendezv
     from elastictrain.rendezvous.etcd_handler import create_etcd_handler
 
     return create_etcd_handler(params)
+
+
+def ensure_registered() -> None:
+    """Register the `etcd3` backend with torch's registry where the entry point did not (the project run from a
+    source tree that pip never installed, so no `torchrun.handlers` metadata); a no-op where it did (the same
+    creator). Our own launcher calls it; plain `torchrun --rdzv-backend etcd3` needs the installed package."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register("etcd3", etcd3_entry_point)
