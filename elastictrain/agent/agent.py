@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import psutil
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -76,6 +77,8 @@ MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
 
 _MAX_DRAIN = 10_000
+_ROUND_SETUP_ATTEMPTS = 3
+"""Rendezvous rounds tried when a round's set-up (the ranks its first node publishes) never arrives."""
 # torch >= 2.12 takes the workers' grace period before SIGKILL as an argument; older ones always wait 30 s.
 _TORCH_HAS_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 _UNIX_PATH_MAX = 107
@@ -337,7 +340,19 @@ class ElasticAgent(LocalElasticAgent):
             # A node started while its peers pause in place for a lost node: take that node's place, no new round.
             claim(worker_group.spec.local_world_size)
         self._rendezvoused = True
-        super()._rendezvous(worker_group)
+        for attempt in range(_ROUND_SETUP_ATTEMPTS):
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except DistStoreError as e:
+                # The round formed, but its set-up never came through its store: torch's group-rank-0 agent
+                # publishes every node's ranks there, and a node killed right after the round formed never does.
+                # Seen in the netns chaos run: the agent waited 60 s, crashed, and its exit ended the whole job.
+                # A new round (torch's next_rendezvous leaves the old one first) forms without the dead node.
+                if attempt == _ROUND_SETUP_ATTEMPTS - 1:
+                    raise
+                log.warning("rendezvous round set up incompletely (%s): its first node probably died right after "
+                            "it formed; joining a new round", e)
         log.info("rendezvous complete in %.2fs: node %d of %d, world size %d", time.monotonic() - started,
                  worker_group.group_rank, worker_group.group_world_size,
                  worker_group.workers[0].world_size if worker_group.workers else 0)
