@@ -175,7 +175,6 @@ class ElasticAgent(LocalElasticAgent):
             kwargs["shutdown_timeout"] = shutdown_timeout
         super().__init__(spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout,
                          **kwargs)
-        self._shutdown_timeout = shutdown_timeout
         self._health = HealthMonitor(health or HealthConfig())
         self._listeners: list[AgentEventListener] = list(listeners)
         self._clock = clock

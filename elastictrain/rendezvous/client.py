@@ -294,8 +294,7 @@ class EtcdClient:
 
     def get_prefix(self, prefix: str, tolerance: float | None = None) -> dict[str, bytes]:
         """All keys under `prefix` with their values."""
-        items = self.call(f"get prefix {prefix}", lambda c: list(c.get_prefix(prefix)), tolerance)
-        return {meta.key.decode(): bytes(value) for value, meta in items}
+        return {key: value for key, (value, _) in self.get_prefix_revisions(prefix, tolerance).items()}
 
     def get_prefix_revisions(self, prefix: str, tolerance: float | None = None) -> dict[str, tuple[bytes, int]]:
         """All keys under `prefix` with their values and mod revisions (for a compare-and-swap on each)."""
