@@ -381,7 +381,11 @@ def compute(events: Iterable[Any], *, restarts: Iterable[Any] = (), started: Opt
         # the step this segment reached: what the next interruption reports, else restart records, else saves
         reached = nxt.step_reached if nxt is not None else None
         if nxt is not None:
-            window = [s for t, s in restart_steps if nxt.at - 1.0 <= t <= (nxt.resumed_at or until) + 1.0]
+            # A record up to 1 s after the resume is this fault's (a slow node's), unless the next fault came first:
+            # a group that reached its step fast and failed again within that second records the next one's step.
+            after = chain[i + 2].at if i + 2 < len(chain) else float("inf")
+            window = [s for t, s in restart_steps
+                      if nxt.at - 1.0 <= t <= min((nxt.resumed_at or until) + 1.0, after - 1e-6)]
             reached = _max(reached, max(window, default=None))
         saved = [_int(e.fields.get("step")) for e in evs if e.kind == "checkpoint_saved" and lo <= e.time <= hi]
         reached = _max(reached, max((s for s in saved if s is not None), default=None))

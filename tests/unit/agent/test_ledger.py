@@ -232,3 +232,23 @@ def test_a_malformed_carried_event_is_ignored():
     led = compute([ev(103, "a", "join"), ev(103.5, "a", CARRIED_EVENT, started="yesterday")], started=100.0,
                   now=110.0)
     assert led.carried is None and led.started == 100.0
+
+
+def test_a_second_fault_within_a_second_of_the_first_ones_resume_keeps_its_step_to_itself():
+    """The CI run's ledger chaos job: the group resumed at 18 reached step 14 and failed again at 18.8. The second
+    restart's record (step 14) fell inside the first fault's 1 s slack after its resume and made the first fault
+    recompute 10 steps; the sample ledger said 3."""
+    log = [*start(), saved(10, 4),
+           ev(14, "b", "failure", cause="rank 1: Signal 9 (SIGKILL)", failures=[{"global_rank": 1}]),
+           ev(14.1, "b", "restart", reason="failure"),
+           ev(16, "a", "join"), ev(16, "b", "join"), ev(18, "a", "checkpoint_loaded", step=4, rank=0),
+           saved(18.5, 12),
+           ev(18.8, "a", "failure", cause="rank 0: exited with code 1", failures=[{"global_rank": 0}]),
+           ev(18.9, "a", "restart", reason="failure"),
+           ev(20, "a", "join"), ev(20, "b", "join"), ev(21, "a", "checkpoint_loaded", step=12, rank=0),
+           ev(30, "a", "succeeded")]
+    led = compute(log, restarts=[{"time": 14.0, "step": 7}, {"time": 18.8, "step": 14}], started=0.0, now=99.0,
+                  final_step=20)
+    first, second = led.faults
+    assert (first.step_reached, first.recomputed_steps) == (7, 3)
+    assert (second.step_reached, second.recomputed_steps) == (14, 2)
