@@ -1,5 +1,6 @@
 """The time ledger of a real 2-node job with a worker kill, a node kill and re-join, and an operator pause; and the
-dashboard rendered in headless chromium during that job (its screenshot kept as a test artifact).
+dashboard rendered in headless chromium during that job (its screenshot kept as a test artifact); the ledger against
+the goodput benchmark's accounting of the same job.
 
 The artifact: `$ELASTICTRAIN_TEST_ARTIFACTS/dashboard-faults.png` when that variable is set, else under the test's
 tmp_path (pytest keeps the last runs'). Without chromium the test checks the ledger, then skips, saying why; CI
@@ -22,8 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.goodput import analyse, decompose
+from benchmarks.recovery import LedgerWatch
+from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.jobstate import collect
-from elastictrain.agent.ledger import FAULT_COST_EVENT, sample_ledger_recomputed
+from elastictrain.agent.ledger import FAULT_COST_EVENT, sample_ledger_recomputed, window
 from elastictrain.chaos.process_signals import signal_worker
 from elastictrain.cli.dashboard import Sampler, make_server
 from elastictrain.cli.main import main
@@ -94,9 +98,12 @@ def dashboard(job):
 def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_time(job, dashboard, tmp_path):
     url, target = dashboard
     launched = time.time()
+    wall_offset = time.time() - time.monotonic()
+    watch = LedgerWatch(job.out / "samples")  # the goodput benchmark's step trace of the same job
     a, b = job.start_node("a"), job.start_node("b")
     job.wait_for_step(5, world_size=2)
     seq = max(r["seq"] for r in job.records())
+    t_fault = time.monotonic()
     signal_worker(b.pid, signal.SIGKILL)
     job.wait_for_step(13, world_size=2, after_seq=seq)
     seq = max(r["seq"] for r in job.records())
@@ -128,6 +135,8 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
     time.sleep(max(0.0, PAUSED_S - (time.monotonic() - paused_at)))
     _cli(job, "resume", "--yes")
     assert job.wait([a, b2]) == [0, 0], job.logs()
+    watch.poll()
+    watch.close()
 
     view = collect(target, events=0, checkpoint=False)
     led = view.ledger
@@ -142,6 +151,7 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
     assert led["recomputed_steps"] == sample_ledger_recomputed(job.records()) > 0, \
         "the steps the ledger calls recomputed are those the sample ledger shows run twice"
     assert buckets["paused"] >= PAUSED_S * 0.9
+    _matches_goodput_accounting(job, target, watch.snapshot(), led, t_fault, wall_offset)
     assert 0 < led["ettr"] < 1 and buckets["training"] > 0
     # One fault_cost event per fault, as `elastictrain events --json` prints them, with the ledger's numbers.
     costs = [e for e in _events(job) if e["kind"] == FAULT_COST_EVENT]
@@ -159,6 +169,30 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
     assert shot.stat().st_size > 10_000, "a screenshot of the page"
     print(f"ETTR {led['ettr']}, wall {wall:.1f}s, buckets {buckets}, faults "
           f"{[(f['kind'], f['lost_s'], f['recomputed_steps']) for f in led['faults']]}; screenshot {shot}")
+
+
+def _matches_goodput_accounting(job: Job, target: JobConnection, done: list, led: dict, t_fault: float, wall_offset: float) -> None:
+    """The ledger of the fault window (first fault to the job's end) against `benchmarks/goodput.py`'s accounting
+    of the same window, from the step trace a `LedgerWatch` took while the job ran (docs/benchmarks.md): the steps
+    goodput throws away are the ledger's recomputed steps, and the time the trace stalled (gaps of over 1 s, or 10
+    fault-free steps) is the time the ledger does not count as training, saving or recomputing."""
+    events = _events(job)
+    t_end = min(e["time"] for e in events if e["kind"] == "succeeded") - wall_offset
+    first = min(c.time for c in done)
+    r = analyse(done, [], first, t_fault, t_end)
+    duration = t_end - t_fault
+    r["trace"] = [[c.time - t_fault, c.step, c.world] for c in sorted(done, key=lambda c: c.time)]
+    parts = decompose(r, duration)
+    w = window(events, since=t_fault + wall_offset, until=t_end + wall_offset, since_step=r["window_start_step"] + 1,
+               until_step=r["window_end_step"] + 1, restarts=RestartBudget(target.client, target.prefix).records(),
+               started=led["started"])
+    seen = {"goodput": r, "decomposition": parts, "ledger_window": w}
+    assert r["steps_thrown_away"] == w["recomputed_steps"] == led["recomputed_steps"], seen
+    ran = (w["buckets"]["training"] + w["buckets"]["checkpoint"] + w["buckets"]["recomputing"]) / w["wall_s"]
+    print(f"goodput accounting: uptime {parts['uptime_fraction']} vs the ledger's {ran:.3f}; goodput {r['goodput']}"
+          f" = uptime x speed {parts['speed_while_training']} x useful {parts['useful_fraction']}; ETTR"
+          f" {w['ettr']}, productive {w['productive']}; over {duration:.1f} s")
+    assert abs(parts["uptime_fraction"] - ran) * duration <= 1.0 * (1 + w["faults"]) + 0.05 * duration, seen
 
 
 def _events(job: Job) -> list[dict]:
