@@ -171,7 +171,8 @@ def test_a_job_with_a_worker_kill_a_node_kill_and_a_pause_accounts_for_its_wall_
           f"{[(f['kind'], f['lost_s'], f['recomputed_steps']) for f in led['faults']]}; screenshot {shot}")
 
 
-def _matches_goodput_accounting(job: Job, target: JobConnection, done: list, led: dict, t_fault: float, wall_offset: float) -> None:
+def _matches_goodput_accounting(job: Job, target: JobConnection, done: list, led: dict, t_fault: float,
+                                wall_offset: float) -> None:
     """The ledger of the fault window (first fault to the job's end) against `benchmarks/goodput.py`'s accounting
     of the same window, from the step trace a `LedgerWatch` took while the job ran (docs/benchmarks.md): the steps
     goodput throws away are the ledger's recomputed steps, and the time the trace stalled (gaps of over 1 s, or 10
