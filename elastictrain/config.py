@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -224,6 +225,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class ReplicaTLSConfig:
+    """Mutual TLS for the peer replicas of in-memory snapshots (docs/checkpoints.md, "Peer replicas over TLS"): PEM
+    files on this node, all three or none. None: plain HTTP with a per-node token (a trusted network)."""
+
+    cert: Optional[str] = None
+    """This node's certificate, issued by `ca` (its address as a subjectAltName when `check_hostname`)."""
+    key: Optional[str] = None
+    """The certificate's private key."""
+    ca: Optional[str] = None
+    """The CA every node's certificate comes from: the only one a server or client trusts."""
+    check_hostname: bool = True
+    """Whether a server's certificate must name the address it published; false for one job-wide certificate."""
+
+
+@dataclass
 class HangConfig:
     """Hang detection (the agent's rule, docs/agent.md "Hang rule"); flags `--heartbeat-*` override each field."""
 
@@ -289,6 +305,8 @@ class ElasticConfig:
     replica_bandwidth: Union[int, str, None] = None
     """The most bytes per second the peer replicas of in-memory snapshots may send from this node (an integer, or a
     size such as 200MB): on a CPU node they take cores from training; None: as fast as they go."""
+    replica_tls: ReplicaTLSConfig = field(default_factory=ReplicaTLSConfig)
+    """TLS between the agents' replica servers and their clients (cert, key, ca; unset: plain HTTP)."""
     straggler_margin: float = 0.2
     """A rank later than this fraction of the median step time (and 20 ms) is slow (docs/agent.md, Stragglers)."""
     straggler_steps: int = 20
@@ -727,6 +745,21 @@ def replica_rate(e: ElasticConfig) -> Optional[int]:
     return value
 
 
+def _check_replica_tls(t: ReplicaTLSConfig) -> None:
+    """All three files or none, each one present (the agent loads them at start-up: checkpoint/replica_tls.py)."""
+    given = {name: getattr(t, name) for name in ("cert", "key", "ca")}
+    if not any(given.values()):
+        return
+    missing = [name for name, v in given.items() if not v]
+    if missing:
+        raise ConfigError(f"elastic.replica_tls needs cert, key and ca together (missing: {', '.join(missing)}): every "
+                          f"agent serves and connects, so each node needs its certificate, its key and the job's CA; "
+                          f"e.g. --set elastic.replica_tls.{missing[0]}=/path/to/{missing[0]}.pem")
+    for name, path in given.items():
+        if not os.path.isfile(str(path)):
+            raise ConfigError(f"elastic.replica_tls.{name}={path}: no such file on this node")
+
+
 def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0) -> CheckpointConfig:
     """A validated CheckpointConfig from plain data (the public API's `Worker.steps(checkpoint=..., **options)`)."""
     c = _build(CheckpointConfig, data, "checkpoint")
@@ -800,6 +833,7 @@ def validate_elastic(e: ElasticConfig) -> None:
     if not 0 <= e.restart_backoff_jitter < 1:
         raise ConfigError(f"elastic.restart_backoff_jitter={e.restart_backoff_jitter:g} must be in [0, 1)")
     replica_rate(e)
+    _check_replica_tls(e.replica_tls)
     if not 0 < e.straggler_margin <= 10:
         raise ConfigError(f"elastic.straggler_margin must be in (0, 10] (got {e.straggler_margin:g}): the lateness, "
                           f"as a fraction of the median step time, that makes a rank slow; 0.2 is 20%")

@@ -44,6 +44,7 @@ from elastictrain.agent.status import (
     read_nodes,
 )
 from elastictrain.agent.straggler_replace import ReplacePolicy, StragglerReplacer
+from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.config import ElasticConfig, JobConfig, load_config, load_elastic, replica_rate
 from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
@@ -129,6 +130,9 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     """Run this node's agent until the job ends; returns the process exit code."""
     run = RunArgs.split(run_argv)
     cfg, elastic = load_settings(run)  # fail fast, before anything starts
+    tls = ReplicaTLS.from_config(elastic.replica_tls)
+    if tls is not None:
+        tls.check()  # a wrong file is a ConfigError now, not a failed replica later
     args = parse_flags(run, elastic)
     with ExitStack() as stack:
         if not args.rdzv_endpoint:
@@ -194,7 +198,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                 replicator = _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
                                         request.config.local_addr or socket.getfqdn(),
                                         lambda kind, fields: publisher.on_event(kind, fields) if publisher else None,
-                                        replica_rate(elastic))
+                                        replica_rate(elastic), tls)
             publisher.snapshot_probe = lambda: (snapshots.newest_step(snapshot_dir),
                                                 *(replicator.replicated() if replicator else (None, None)))
             if request.metrics_port:
@@ -258,11 +262,12 @@ def _straggler_replacer(elastic: ElasticConfig, client: EtcdClient, run_prefix: 
 
 
 def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,
-               host: str, emit: Callable[[str, dict[str, Any]], None], rate: Optional[int]) -> Optional[Replicator]:
+               host: str, emit: Callable[[str, dict[str, Any]], None], rate: Optional[int],
+               tls: Optional[ReplicaTLS]) -> Optional[Replicator]:
     """Peer replicas of this node's snapshots, served on `host` (where torch's rendezvous says this node is reached:
     --local-addr, else its host name); a server that cannot start leaves snapshots local-only, never the job down."""
     try:
-        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate)
+        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate, tls=tls)
     except OSError as e:
         log.warning("in-memory snapshots stay local-only: no replica server on %s (%s); set --local-addr to an "
                     "address of this node that the other nodes reach", host, e)

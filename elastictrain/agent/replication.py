@@ -22,11 +22,12 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from elastictrain.checkpoint.replica_server import ReplicaServer
+from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.checkpoint.replica_wire import Peer, PeerList, SlotReader, committed_markers, push, safe_node
 from elastictrain.errors import SnapshotReplicaError
 from elastictrain.rendezvous.client import EtcdClient
@@ -53,13 +54,15 @@ class Replicator:
     ranks' snapshots to the ring peer; `close()` stops both."""
 
     def __init__(self, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness, host: str,
-                 emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S, rate: Optional[int] = None):
-        """`rate`: bytes per second the replicas may take (elastic.replica_bandwidth; None: as fast as they go)."""
-        self.rate = rate
+                 emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S, rate: Optional[int] = None,
+                 tls: Optional[ReplicaTLS] = None):
+        """`rate`: bytes per second the replicas may take (elastic.replica_bandwidth; None: as fast as they go);
+        `tls`: serve and connect over mutual TLS (elastic.replica_tls)."""
+        self.rate, self.tls = rate, tls
         self.folder, self.client, self.node, self.poll_s = folder, client, liveness.node_id, poll_s
         self._nodes_prefix = f"{run_prefix.rstrip('/')}/nodes/"
         self._emit = emit
-        self.server = ReplicaServer(folder, host, self.node, secrets.token_hex(16))
+        self.server = ReplicaServer(folder, host, self.node, secrets.token_hex(16), tls)
         self._liveness = liveness
         self._published = False
         self.peer: Optional[Peer] = None
@@ -80,7 +83,7 @@ class Replicator:
         """Re-read the ring from etcd: `peers.json` and the ring peer follow (an etcd error keeps the last ring)."""
         try:
             if not self._published:
-                self._liveness.publish(replica=asdict(self.server.peer()))
+                self._liveness.publish(replica=self.server.peer().record())
                 self._published = True
             records = self.client.get_prefix(self._nodes_prefix, tolerance=MEMBERS_S)
         except Exception as e:  # noqa: BLE001 - etcd down: keep replicating to the peer we know
@@ -89,7 +92,7 @@ class Replicator:
         peers = []
         for key, raw in records.items():
             try:
-                peer = Peer(**json.loads(raw)["replica"])
+                peer = replace(Peer(**json.loads(raw)["replica"]), client_tls=self.tls)
             except (ValueError, TypeError, KeyError):
                 continue  # an agent without a replica server (plain torchrun, an older version)
             if peer.node == key[len(self._nodes_prefix):] and safe_node(peer.node):
@@ -97,7 +100,7 @@ class Replicator:
         peers.sort(key=lambda p: p.node)
         if peers != self._peers:
             self._peers = peers
-            PeerList(self.node, peers).write(self.folder)
+            PeerList(self.node, peers, self.tls).write(self.folder)
         others = [p for p in peers if p.node != self.node]
         peer = next((p for p in others if p.node > self.node), others[0] if others else None)
         if peer != self.peer:

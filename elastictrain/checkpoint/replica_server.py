@@ -21,12 +21,14 @@ import logging
 import re
 import shutil
 import socket
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from socketserver import TCPServer, ThreadingMixIn
-from typing import Any
+from typing import Any, Optional
 
+from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.checkpoint.replica_wire import (
     AUTH_HEADER,
     RANK_PATH,
@@ -55,25 +57,45 @@ class _HTTPServer(ThreadingMixIn, TCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, owner: "ReplicaServer"):
+    def __init__(self, host: str, owner: "ReplicaServer", tls: Optional[ssl.SSLContext]):
         family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         self.address_family = family
-        self.owner = owner
+        self.owner, self.tls = owner, tls
         super().__init__((addr[0], 0), _Handler)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """With TLS, the handshake runs here, on the request's own thread: a client that stalls in it holds only
+        that thread (bounded by the request timeout), never the accept loop."""
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(REQUEST_TIMEOUT_S)
+        try:
+            wrapped = self.tls.wrap_socket(request, server_side=True)
+        except (OSError, ssl.SSLError) as e:
+            log.warning("replica server: TLS handshake with %s failed: %s", client_address[0], e)
+            request.close()
+            return None
+        try:
+            super().finish_request(wrapped, client_address)
+        finally:
+            wrapped.close()
+        return None
 
 
 class ReplicaServer:
     """Serves and receives snapshot slots for the agent's folder on `host` (the node's address peers reach)."""
 
-    def __init__(self, folder: Path, host: str, node: str, token: str):
-        self.folder, self.node, self.token = folder, node, token
+    def __init__(self, folder: Path, host: str, node: str, token: str, tls: Optional[ReplicaTLS] = None):
+        """`tls`: serve HTTPS, clients' certificates required (elastic.replica_tls)."""
+        self.folder, self.node, self.token, self.tls = folder, node, token, tls
         self.write_lock = threading.Lock()
         """One replica written at a time (a ring gives a node one sender; this also orders a late retry)."""
-        self._httpd = _HTTPServer(host, self)
+        self._httpd = _HTTPServer(host, self, tls.server_context() if tls is not None else None)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="snapshot-replica-server", daemon=True)
         self._thread.start()
-        log.info("snapshot replica server of node %s listening on %s:%d", node, *self.address)
+        log.info("snapshot replica server of node %s listening on %s:%d%s", node, *self.address,
+                 " (TLS)" if tls is not None else "")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -83,7 +105,8 @@ class ReplicaServer:
     def peer(self) -> Peer:
         """How peers reach this server."""
         host, port = self.address
-        return Peer(node=self.node, host=host, port=port, token=self.token)
+        return Peer(node=self.node, host=host, port=port, token=self.token, tls=self.tls is not None,
+                    client_tls=self.tls)
 
     def held(self, rank: int) -> list[dict[str, Any]]:
         """Every committed slot of global rank `rank` in the folder: the rank's own, then each replica's."""

@@ -23,12 +23,13 @@ import os
 import re
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.checkpoint.snapshot_folders import SLOTS
 from elastictrain.errors import SnapshotReplicaError
 
@@ -62,8 +63,26 @@ class Peer:
     port: int
     token: str
     """Sent with every request: the server answers only those who read its record in the job's etcd."""
+    tls: bool = False
+    """Whether the server speaks HTTPS (elastic.replica_tls on its node)."""
+    client_tls: Optional[ReplicaTLS] = field(default=None, compare=False, repr=False)
+    """This node's TLS files to connect with (never published: the other node's paths mean nothing here)."""
+
+    def record(self) -> dict[str, Any]:
+        """What is published (etcd, `peers.json`): all but `client_tls`."""
+        return {"node": self.node, "host": self.host, "port": self.port, "token": self.token, "tls": self.tls}
 
     def connect(self, timeout: float) -> http.client.HTTPConnection:
+        """An HTTP(S) connection to the server; SnapshotReplicaError when one side has TLS and the other not."""
+        if self.tls and self.client_tls is None:
+            raise SnapshotReplicaError(f"{self.node} serves its replicas over TLS and this node has no "
+                                       f"elastic.replica_tls to connect with: give every node the same setting")
+        if self.client_tls is not None and not self.tls:
+            raise SnapshotReplicaError(f"{self.node} serves its replicas without TLS and this node requires it "
+                                       f"(elastic.replica_tls): give every node the same setting")
+        if self.client_tls is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               context=self.client_tls.client_context())
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def auth(self) -> str:
@@ -72,24 +91,29 @@ class Peer:
 
 @dataclass
 class PeerList:
-    """`peers.json`: this node's id and every live agent's replica server (this node's included)."""
+    """`peers.json`: this node's id, every live agent's replica server (this node's included) and this node's TLS
+    files (elastic.replica_tls, for its restarting workers' fetches)."""
 
     this_node: str
     peers: list[Peer]
+    tls: Optional[ReplicaTLS] = None
 
     def write(self, folder: Path) -> None:
         tmp = folder / f"{PEERS_FILE}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the tokens
         with os.fdopen(fd, "w") as f:
-            json.dump({"this_node": self.this_node, "peers": [asdict(p) for p in self.peers]}, f)
+            json.dump({"this_node": self.this_node, "peers": [p.record() for p in self.peers],
+                       "tls": self.tls.to_dict() if self.tls else None}, f)
         os.replace(tmp, folder / PEERS_FILE)
 
     @classmethod
     def read(cls, folder: Path) -> Optional["PeerList"]:
-        """The list the agent wrote last; None when there is none (no agent of ours, or no etcd record yet)."""
+        """The list the agent wrote last, its peers set to connect with its TLS files; None when there is none (no
+        agent of ours, or no etcd record yet)."""
         try:
             raw = json.loads((folder / PEERS_FILE).read_text())
-            return cls(raw["this_node"], [Peer(**p) for p in raw["peers"]])
+            tls = ReplicaTLS.from_dict(raw.get("tls"))
+            return cls(raw["this_node"], [replace(Peer(**p), client_tls=tls) for p in raw["peers"]], tls)
         except (OSError, ValueError, TypeError, KeyError):
             return None
 

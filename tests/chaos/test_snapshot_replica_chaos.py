@@ -1,7 +1,7 @@
 """Peer replicas of the in-memory snapshots under a real 2-node `elastictrain run`: node b SIGKILLed (agent and
 workers; its snapshot folder, i.e. its RAM, gone with it) and started again with the same command resumes from b's
 snapshots as replicated on node a, recomputing at most one completed step, and ends bitwise-equal to an
-uninterrupted run.
+uninterrupted run; the same with the replicas over mutual TLS (elastic.replica_tls).
 
 Without replicas the same fault resumes from the last durable checkpoint (every 4 steps here;
 tests/chaos/test_agent_chaos.py::test_a_node_sigkilled_then_one_drained_each_rejoin_by_the_same_command).
@@ -22,14 +22,23 @@ from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.agent.status import read_nodes
 from tests.chaos.cluster import STEPS, Job, Node
 from tests.chaos.test_agent_chaos import FAULT_STEP, ON_TWO, WAIT_FOR_REJOIN, _etcd, assert_recovered, events, start_two
+from tests.fixtures.pki import make_pki, needs_openssl
 from tests.integration.recipe_runs import assert_same_train_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture
-def replica_job(tmp_path, etcd, run_id):
-    j = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*WAIT_FOR_REJOIN, "checkpoint.snapshot_every_steps=1"))
+@pytest.fixture(params=["http", pytest.param("tls", marks=needs_openssl)])
+def replica_job(request, tmp_path, etcd, run_id):
+    """The job, its replicas over plain HTTP or over mutual TLS (one job-wide certificate, so no host name check)."""
+    tls = ()
+    if request.param == "tls":
+        (tmp_path / "pki").mkdir()
+        pki = make_pki(tmp_path / "pki")
+        tls = (f"elastic.replica_tls.cert={pki / 'node-a.pem'}", f"elastic.replica_tls.key={pki / 'node-a.key'}",
+               f"elastic.replica_tls.ca={pki / 'ca.pem'}", "elastic.replica_tls.check_hostname=false")
+    j = Job(tmp_path, etcd.endpoint, run_id,
+            extra_overrides=(*WAIT_FOR_REJOIN, "checkpoint.snapshot_every_steps=1", *tls))
     yield j
     j.teardown()
 
@@ -57,6 +66,9 @@ def test_a_killed_node_resumes_from_its_snapshot_replicated_on_the_peer(replica_
     assert loaded and loaded[-1].fields["step"] == summary["start_step"], loaded
     assert loaded[-1].fields.get("fetched_ranks") == 1 and loaded[-1].fields.get("from_nodes") == [holder], loaded[-1]
     assert not [e for e in log if e.kind == "checkpoint_snapshot_skipped"], "the replica served on the first try"
+    if any(o.startswith("elastic.replica_tls") for o in job.overrides):
+        assert all("(TLS)" in n.log().split("replica server of node", 1)[1].split("\n", 1)[0] for n in (a, b2)), \
+            "every agent's replica server spoke TLS"
 
 
 def test_two_neighbouring_ring_nodes_lost_fall_back_to_the_durable_checkpoint(tmp_path, etcd, run_id):
