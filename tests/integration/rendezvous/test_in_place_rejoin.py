@@ -18,9 +18,10 @@ from tests.integration.rendezvous.test_handler import _kill_without_goodbye, _pa
 Two = tuple[EtcdRendezvousHandler, EtcdRendezvousHandler, list]
 
 
-def _form_two(etcd: EtcdHandle, run_id: str, hold_s: float) -> Two:
+def _form_two(etcd: EtcdHandle, run_id: str, hold_s: float, max_nodes: int = 2) -> Two:
     """Two nodes in round 1 (1 worker each, as torch's agent records it in the round's store); (lost, survivor)."""
-    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, in_place_rejoin=hold_s)) for _ in range(2)]
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, max_nodes, in_place_rejoin=hold_s))
+                for _ in range(2)]
     infos = _rendezvous_all(handlers)
     for info in infos:
         info.store.set(f"torchelastic/role_info/{info.rank}", json.dumps({"role": "default", "rank": info.rank,
@@ -172,3 +173,30 @@ def test_a_claim_landing_while_the_survivor_checks_the_place_is_seen_as_taken_no
     for h in (survivor, newcomer):
         h.shutdown()
     vacancies.client.close()
+
+
+def test_a_node_that_scales_a_running_job_up_waits_once_for_a_place_then_joins_a_new_round(etcd: EtcdHandle,
+                                                                                           run_id: str) -> None:
+    """`claim_vacancy`'s cost for a node that is no one's replacement: with no place on offer in the running round
+    it waits the lease's TTL + 5 s (a lost node's place may still come: see the test above), the round undisturbed
+    meanwhile, then finds none and joins as usual, and the job re-forms with it. The agent calls it once, at its
+    first rendezvous (agent.py `_rendezvous`); its later rounds do not wait."""
+    import threading
+
+    a, b, _ = _form_two(etcd, run_id, hold_s=30, max_nodes=3)
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_rejoin=30))
+    claims: list = []
+    start = time.monotonic()
+    t = threading.Thread(target=lambda: claims.append(newcomer.claim_vacancy(local_world_size=1)), daemon=True)
+    t.start()
+    while t.is_alive():
+        assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, "the newcomer disturbed the round early"
+        time.sleep(0.1)
+    waited = time.monotonic() - start
+    assert claims == [None], "a place was claimed where none was lost"
+    assert 2 + 5 - 0.5 <= waited <= 2 + 5 + 3, f"waited {waited:.1f}s, expected the lease's TTL (2 s) + 5 s"
+    infos = _rendezvous_all([a, b, newcomer])
+    assert sorted(i.rank for i in infos) == [0, 1, 2] and {i.world_size for i in infos} == {3}
+    assert newcomer.took_over is None
+    for h in (a, b, newcomer):
+        h.shutdown()
