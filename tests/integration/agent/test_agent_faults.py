@@ -282,6 +282,33 @@ def test_worker_stuck_in_collective_on_a_stopped_peer_node_is_named_by_its_agent
     assert not before & {d["pid"] for d in a.done().values()}, "every worker of the group was replaced"
 
 
+def test_a_hang_in_which_every_worker_of_every_node_sleeps_is_called_one_timeout_later_and_both_nodes_recover(
+        agent_run, tmp_path, etcd):
+    """No agent can name a culprit when every worker sleeps (one in a sleep of its own, the other in the all_reduce
+    waiting for it: a collective deadlock looks the same), so each gives its workers one more hang timeout
+    (`_defer_hang`), then calls the hang: the job is restarted one timeout later than a stopped worker's would be,
+    and finishes. docs/agent.md, "Which agent calls it"."""
+    rdzv = ("--nnodes", "2", "--rdzv-backend", "etcd3", "--rdzv-endpoint", etcd.endpoint,
+            "--rdzv-id", f"all-asleep-{uuid.uuid4().hex[:8]}", "--rdzv-conf", "lease_ttl=2,last_call_timeout=1")
+    progress = tmp_path / "progress"
+    asleep = ("--sleep-at", "1:40:600")  # rank 1 sleeps before step 40 until the agents restart it
+    a = agent_run(steps=60, name="a", rdzv=rdzv, nproc=1, progress=progress, script_args=asleep)
+    b = agent_run(steps=60, name="b", rdzv=rdzv, nproc=1, progress=progress, script_args=asleep)
+    a.wait_for_step(39)
+    stalled = time.time()  # within a step (0.05 s) of rank 1's last beat before its sleep
+    assert a.wait(180) == 0, a.log()
+    assert b.wait(180) == 0, b.log()
+    hangs = [e for node in (a, b) for e in node.events() if e["kind"] == "hang"]
+    assert hangs, f"no hang was called\n{a.log()}\n{b.log()}"
+    deferred = [node for node in (a, b) if "giving a peer's agent one more timeout" in node.log()]
+    assert deferred == [a, b], "both agents saw only sleeping workers and deferred once"
+    called = min(e["time"] for e in hangs) - stalled
+    print(f"hang called {called:.2f}s after the workers fell silent (floor {HANG_FLOOR_S}s): {hangs[0]['cause']}")
+    assert called >= 2 * HANG_FLOOR_S - 0.2, f"called after {called:.2f}s: not one timeout later"
+    assert called < 3 * HANG_FLOOR_S + 2.0, f"called after {called:.2f}s: deferred more than once"
+    assert {d["restart"] for d in a.done().values()} == {1}, "one restart, then the job finished"
+
+
 def test_sigterm_to_agent_stops_even_a_sigstopped_worker_promptly(agent_run):
     run = agent_run(steps=100_000)
     progress = run.wait_for_step(5)

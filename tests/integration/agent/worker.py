@@ -28,7 +28,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--progress-dir", required=True)
+    p.add_argument("--sleep-at", default="", help="RANK:STEP:SECONDS: that rank sleeps that long before that step, "
+                                                  "in the first launch only (a hang in which every process sleeps)")
     a = p.parse_args()
+    sleep_rank, sleep_step, sleep_s = (int(a.sleep_at.split(":")[0]), int(a.sleep_at.split(":")[1]),
+                                       float(a.sleep_at.split(":")[2])) if a.sleep_at else (-1, -1, 0.0)
 
     hb = Heartbeat.from_env()
     dist.init_process_group("gloo")
@@ -36,6 +40,8 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     progress = os.path.join(a.progress_dir, f"rank{rank}.json")
     for step in range(1, a.steps + 1):
+        if (rank, step, restart) == (sleep_rank, sleep_step, 0):
+            time.sleep(sleep_s)
         t = torch.ones(1)
         dist.all_reduce(t)
         time.sleep(a.step_s)
