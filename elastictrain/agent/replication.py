@@ -35,9 +35,10 @@ from elastictrain.rendezvous.liveness import NodeLiveness
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.02
 """How often the folder is checked for newly committed snapshots: the replica's lag behind the snapshot beyond
-the transfer itself (a few small file reads per rank per poll)."""
+the transfer itself. A poll lists the folder and stats each rank's folder (a commit renames its marker in, which
+moves the folder's mtime); the markers are read only when that changed: a few microseconds per poll."""
 MEMBERS_S = 1.0
 """How often the ring is re-read from etcd."""
 SEND_TIMEOUT_S = 10.0
@@ -47,6 +48,9 @@ RETRY_MAX_S = 5.0
 """The longest wait before trying an unreachable peer again (doubling from four polls)."""
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
+_MTIME_SETTLED_NS = 50_000_000
+"""A folder's mtime is trusted as "nothing new" only once it is this old: file systems stamp it from a coarse clock
+(a jiffy, 1-10 ms), so a marker removed and its successor renamed in within one tick can leave it unchanged."""
 
 
 class Replicator:
@@ -70,6 +74,8 @@ class Replicator:
         self._peers: Optional[list[Peer]] = None
         self._sent: dict[int, tuple[str, int, int]] = {}
         """rank -> (peer node, step, checksum) of the newest replica that peer confirmed."""
+        self._seen: dict[int, tuple[str, int]] = {}
+        """rank -> (peer node, the rank folder's mtime) when its newest commit was last sent or found sent."""
         self._announced: Optional[str] = None
         self._failing: Optional[str] = None
         self._backoff = 0.0
@@ -114,12 +120,19 @@ class Replicator:
         if peer is None or time.monotonic() < self._retry_at:
             return
         for rank, rank_dir in self._ranks():
-            newest = committed_markers(rank_dir)[:1]
-            if not newest or self._sent.get(rank) == (peer.node, newest[0]["step"], newest[0]["checksum"]):
+            try:
+                seen = (peer.node, rank_dir.stat().st_mtime_ns)
+            except OSError:
                 continue
-            reader = SlotReader.open(rank_dir, newest[0]["slot"])
-            if reader is not None and not self._send(peer, rank, reader):
-                return
+            if self._seen.get(rank) == seen:
+                continue  # no commit (nor any other change) in that folder since it was last handled for this peer
+            newest = committed_markers(rank_dir)[:1]
+            if newest and self._sent.get(rank) != (peer.node, newest[0]["step"], newest[0]["checksum"]):
+                reader = SlotReader.open(rank_dir, newest[0]["slot"])
+                if reader is not None and not self._send(peer, rank, reader):
+                    return
+            if time.time_ns() - seen[1] > _MTIME_SETTLED_NS:
+                self._seen[rank] = seen
 
     def _ranks(self) -> Iterator[tuple[int, Path]]:
         try:
