@@ -31,7 +31,7 @@ import numpy as np
 
 from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.checkpoint.snapshot_folders import SLOTS
-from elastictrain.errors import SnapshotReplicaError
+from elastictrain.errors import ConfigError, SnapshotReplicaError
 
 REPLICAS_DIR = "replicas"
 """In an agent's snapshot folder: `replicas/<source node>/rank<r>/slot<k>.*`, the layout of its own `rank<r>`."""
@@ -81,8 +81,11 @@ class Peer:
             raise SnapshotReplicaError(f"{self.node} serves its replicas without TLS and this node requires it "
                                        f"(elastic.replica_tls): give every node the same setting")
         if self.client_tls is not None:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               context=self.client_tls.client_context())
+            try:
+                context = self.client_tls.client_context()
+            except ConfigError as e:  # checked at the agent's start: a file changed or went away since
+                raise SnapshotReplicaError(str(e)) from None
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=context)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def auth(self) -> str:
