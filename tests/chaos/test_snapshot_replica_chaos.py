@@ -112,8 +112,8 @@ def _ring(job: Job, nodes: dict[str, Node], timeout: float = 60) -> list[tuple[i
                 src, peer = by_name.get(e.node), by_name.get(e.fields.get("peer"))
                 if e.kind == "checkpoint_snapshot_replicated" and src and peer:
                     ring[src.name] = (e.fields["rank"], src, peer)
-            if len(ring) == 3:
-                return list(ring.values())
+            if len(ring) == 3 and {peer.name for _, _, peer in ring.values()} == set(ring):
+                return list(ring.values())  # a ring of the 3 (an announcement from an earlier round would not be)
             assert time.monotonic() < deadline, f"no replica ring of 3 nodes within {timeout}s: {ring}\n{job.logs()}"
             time.sleep(0.2)
     finally:
