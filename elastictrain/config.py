@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 import re
 import types
 import typing
@@ -226,7 +225,7 @@ class CheckpointConfig:
 
 @dataclass
 class ReplicaTLSConfig:
-    """Mutual TLS for the peer replicas of in-memory snapshots (docs/checkpoints.md, "Peer replicas over TLS"): PEM
+    """Mutual TLS for the peer replicas of in-memory snapshots (docs/checkpoints.md, "Over TLS"): PEM
     files on this node, all three or none. None: plain HTTP with a per-node token (a trusted network)."""
 
     cert: Optional[str] = None
@@ -746,7 +745,8 @@ def replica_rate(e: ElasticConfig) -> Optional[int]:
 
 
 def _check_replica_tls(t: ReplicaTLSConfig) -> None:
-    """All three files or none, each one present (the agent loads them at start-up: checkpoint/replica_tls.py)."""
+    """All three files or none. The agent loads them at its start (checkpoint/replica_tls.py: a missing or wrong file
+    is a ConfigError there); a config read elsewhere (an operator's machine) need not hold them."""
     given = {name: getattr(t, name) for name in ("cert", "key", "ca")}
     if not any(given.values()):
         return
@@ -755,9 +755,6 @@ def _check_replica_tls(t: ReplicaTLSConfig) -> None:
         raise ConfigError(f"elastic.replica_tls needs cert, key and ca together (missing: {', '.join(missing)}): every "
                           f"agent serves and connects, so each node needs its certificate, its key and the job's CA; "
                           f"e.g. --set elastic.replica_tls.{missing[0]}=/path/to/{missing[0]}.pem")
-    for name, path in given.items():
-        if not os.path.isfile(str(path)):
-            raise ConfigError(f"elastic.replica_tls.{name}={path}: no such file on this node")
 
 
 def checkpoint_config(data: dict[str, Any], collective_timeout_s: float = 600.0) -> CheckpointConfig:
