@@ -104,15 +104,15 @@ class Replicator:
             if peer.node == key[len(self._nodes_prefix):] and safe_node(peer.node):
                 peers.append(peer)
         peers.sort(key=lambda p: p.node)
-        if peers != self._peers:
-            self._peers = peers
-            PeerList(self.node, peers, self.tls).write(self.folder)
         others = [p for p in peers if p.node != self.node]
         peer = next((p for p in others if p.node > self.node), others[0] if others else None)
         if peer != self.peer:
             log.info("in-memory snapshots of node %s now replicate to %s", self.node,
                      peer.node if peer is not None else "no peer (alone in the job: local-only)")
             self.peer, self._backoff, self._retry_at = peer, 0.0, 0.0
+        if peers != self._peers:  # after the ring peer: whoever sees the new list sees the peer that goes with it
+            PeerList(self.node, peers, self.tls).write(self.folder)
+            self._peers = peers
 
     def replicate(self) -> None:
         """Send each local rank's newest committed snapshot that the ring peer has not confirmed yet."""
