@@ -96,6 +96,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._claim: Vacancy | None = None
         self.took_over: Vacancy | None = None
         """The lost node's place this node took in place (set by `claim_vacancy`, for the agent), else None."""
+        store.abandoned = self._round_over
 
     @property
     def use_agent_store(self) -> bool:
@@ -164,6 +165,23 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return False
         state = self._state_holder.state
         return bool(state.complete and not state.closed and state.participants)
+
+    def _round_over(self) -> str | None:
+        """Why waiting on this round's store keys is pointless (EtcdStore.abandoned), else None: the rendezvous moved
+        to a newer round, which torch does only once every member left this one, the node that writes the keys
+        included. Seen in the netns chaos run: a node cut off while a round formed waited out the store's 60 s for
+        its ranks while its peers waited for it in the next round."""
+        if self._round is None:
+            return None
+        try:
+            self._state_holder.sync()
+        except Exception as e:  # noqa: BLE001 - etcd blinked: keep waiting, the timeout still ends it
+            logger.debug("could not read the rendezvous state: %s", e)
+            return None
+        current = self._state_holder.state.round
+        if current > self._round[0]:
+            return f"rendezvous round {self._round[0]} is over (every member left it; the job is at round {current})"
+        return None
 
     def _take_over(self, claim: Vacancy) -> RendezvousInfo:
         self._claim, self.took_over = None, claim

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -16,6 +17,8 @@ logger = logging.getLogger(__name__)
 # answered within milliseconds, long waits cost at most 10 reads a second per waiter.
 _POLL_MIN_S = 0.005
 _POLL_MAX_S = 0.1
+_ABANDON_CHECK_S = 1.0
+"""How often a blocked `get`/`wait` asks `EtcdStore.abandoned` whether to give up."""
 
 
 def _to_bytes(value: bytes | str) -> bytes:
@@ -35,6 +38,9 @@ class EtcdStore(dist.Store):
         self._client = client
         self._prefix = prefix.rstrip("/") + "/"
         self.set_timeout(timeout)
+        self.abandoned: Optional[Callable[[], Optional[str]]] = None
+        """Asked about once a second while `get`/`wait` block: a reason ends the wait at once (DistStoreError)
+        instead of at the timeout. The rendezvous handler sets it: keys of a round every member has left never come."""
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -101,6 +107,7 @@ class EtcdStore(dist.Store):
         deadline = time.monotonic() + limit
         values: dict[str, bytes] = {}
         interval = _POLL_MIN_S
+        check_at = time.monotonic() + _ABANDON_CHECK_S
         while True:
             for key in keys:
                 if key not in values:
@@ -109,10 +116,18 @@ class EtcdStore(dist.Store):
                         values[key] = found[0]
             if len(values) == len(keys):
                 return [values[k] for k in keys]
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = [k for k in keys if k not in values]
                 raise dist.DistStoreError(
                     f"etcd store: keys {missing} under {self._prefix} not set within {limit:g} s"
                 )
+            if self.abandoned is not None and now >= check_at:
+                check_at = now + _ABANDON_CHECK_S
+                reason = self.abandoned()
+                if reason:
+                    missing = [k for k in keys if k not in values]
+                    raise dist.DistStoreError(f"etcd store: stopped waiting for keys {missing} under {self._prefix}: "
+                                              f"{reason}")
             time.sleep(interval)
             interval = min(interval * 2, _POLL_MAX_S)

@@ -273,3 +273,27 @@ def test_tls_with_client_certificates_works_and_mismatches_fail_fast(tls_files: 
         with pytest.raises(RendezvousError, match=f"{srv.endpoint}.*TLS"):
             create_etcd_handler(_params(f"https://{srv.endpoint}", run_id, connect_timeout=2, **wrong_ca))
         assert time.monotonic() - start < 10
+
+
+def test_a_wait_on_the_keys_of_a_round_every_member_left_ends_at_once(etcd: EtcdHandle, run_id: str) -> None:
+    """Seen in the netns chaos run: a node cut off while a round formed waited the store's whole 60 s for its ranks
+    (torch's group-rank-0 agent writes them) after every other member had left that round, while they waited for it
+    in the next. Once the rendezvous is at a newer round, such a wait ends within about a second, saying why, and the
+    agent's round set-up retry joins the new round."""
+    a, b = (create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2)) for _ in range(2))
+    _rendezvous_all([a, b])
+    assert b._round_over() is None, "a running round is not over"
+    first = b._round[0]
+    _kill_without_goodbye(b)  # b is cut off: its lease lapses and the survivor ...
+    joined = threading.Thread(target=a.next_rendezvous, daemon=True)  # ... leaves round 1 for a new one
+    joined.start()
+    start = time.monotonic()
+    while a._state_holder.state.round <= first:
+        assert time.monotonic() - start < 20, "the survivor never started a new round"
+        time.sleep(0.1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rendezvous round {first} is over"):
+        b._store.get("assigned_ranks_of_the_old_round")  # what b's agent waits for after that round
+    assert time.monotonic() - start < 5, "the wait should end at the next check, not at the store's 60 s timeout"
+    joined.join(timeout=30)
+    a.shutdown()
