@@ -120,6 +120,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return self._take_over(self._claim)
         info = super().next_rendezvous()
         state = self._state_holder.state
+        for _ in range(_PRUNED_ROUND_RETRIES):
+            why = pruned_after_completion(list(state.participants.values()), self._settings.min_nodes)
+            if why is None:
+                break
+            # A member lost its lease between the round's completion and this node's read of it (seen in the netns
+            # chaos run: 2 of a 3:3 job trained as a group of 2 while the third waited for its ranks). torch would
+            # hand out the pruned round's world; leave it instead (next_rendezvous exits the round first) and join
+            # the next, which the member that lost its lease joins too once it gives up on this one.
+            logger.warning("rendezvous round %d lost a member as it completed (%s); joining a new round",
+                           state.round, why)
+            info = super().next_rendezvous()
+            state = self._state_holder.state
         self._round_members = {node_id(n) for n in state.participants}
         self._round = (state.round, {node_id(n): r for n, r in state.participants.items()})
         self._held.clear()
@@ -313,6 +325,20 @@ def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: Etc
     if client.delete_if_revision(backend.key, current[1]):
         client.delete_prefix(f"{settings.run_prefix}/store/")
         logger.info("cleared the finished rendezvous of an earlier job with run id '%s'", settings.run_id)
+
+
+_PRUNED_ROUND_RETRIES = 3
+
+
+def pruned_after_completion(ranks: list[int], min_nodes: int) -> str | None:
+    """Why a completed round's participants (their group ranks) no longer make the group it completed with, else
+    None: torch numbered them 0..n-1 and required `min_nodes`; a member pruned since (its lease expired) leaves a gap
+    in the ranks or too few members, and every node reading the round now would get another world than the rest."""
+    if len(ranks) < min_nodes:
+        return f"{len(ranks)} member(s) left, fewer than min_nodes {min_nodes}"
+    if sorted(ranks) != list(range(len(ranks))):
+        return f"group ranks {sorted(ranks)} of {len(ranks)} member(s)"
+    return None
 
 
 def _timeout(params: RendezvousParameters, key: str) -> timedelta:
