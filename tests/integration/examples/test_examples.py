@@ -102,7 +102,8 @@ def test_elastictrain_run_runs_the_example_as_a_two_node_job_to_the_torchrun_sta
     assert codes == [0, 0], logs[-8000:]
     assert launches(tmp_path) == [list(range(STEPS))], logs[-8000:]
     # Two ranks sum their gradient shards in either order alike (a + b == b + a): the torchrun state, bitwise.
-    assert digest(tmp_path) == digest(ref)
+    # (The agents' logs on failure: a CI run once saw `loss: None` with equal digests, unexplained.)
+    assert digest(tmp_path) == digest(ref), logs[-8000:]
 
 
 def test_train_mlp_runs_as_one_plain_process(tmp_path):
