@@ -324,6 +324,11 @@ class ElasticConfig:
     fails on that path falls back to restarting every worker."""
     in_place_timeout_s: float = 60.0
     """The longest the surviving workers wait for a replacement before they fall back to a restart of every worker."""
+    in_place_shrink: bool = True
+    """With `in_place`: a node lost for good (no place held, or nobody took it within `rejoin_wait_s`) is dropped from
+    the running round, and the survivors re-form a smaller world inside their processes (the model rebuilt on the new
+    mesh by the step loop's `rebuild`, the state re-sharded from the snapshots and the lost node's replica), while at
+    least `min_nodes` nodes are left. False (or a script without `rebuild`): every worker restarts in a new round."""
 
 
 @dataclass

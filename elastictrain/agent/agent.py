@@ -39,9 +39,11 @@ from elastictrain.agent.budget import (
     fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
+from elastictrain.agent.shrink import adopt_shrinks
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
+from elastictrain.rendezvous.shrink import ENV_ROUND
 from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_NO_IN_PLACE, EXIT_REFORM
 from elastictrain.runtime.heartbeat import (
     ENV_AGENT_PID,
@@ -52,7 +54,7 @@ from elastictrain.runtime.heartbeat import (
     decode,
     section_phase,
 )
-from elastictrain.runtime.inplace import ENV_GENERATION, next_generation
+from elastictrain.runtime.inplace import ENV_GENERATION, current_generation, next_generation
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,10 @@ class ElasticAgent(LocalElasticAgent):
         self.total_steps = 0
         self._hang_deferred: dict[int, tuple[Any, Any]] | None = None
         """In place: each local worker's (step, phase) when a hang of waiting workers was deferred (`_defer_hang`)."""
+        self._round_ranks: dict[int, int] = {}
+        """Each local worker's global rank when its round formed: its name in the round's in-place shrinks."""
+        self._rank_env: dict[int, dict[str, str]] = {}
+        """After the round shrank in place: the environment an in-place replacement of each local rank starts with."""
         self.in_place_store: Any = None
         """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
         replaced alone while its peers wait in place. Set before `run`."""
@@ -282,6 +288,8 @@ class ElasticAgent(LocalElasticAgent):
         self._last_tick = None
         # The lost node's place this node's handler took at this rendezvous: its workers join the survivors' group.
         took_over = getattr(worker_group.spec.rdzv_handler, "took_over", None) if self.in_place_store else None
+        if self.in_place_store is not None:  # the round names the workers' places in a later smaller world
+            self._tell_round(worker_group)
         generation = self._join_generation(worker_group) if took_over is not None else None
         if generation is not None:  # every local worker replaces one of the lost node's
             os.environ[ENV_GENERATION] = str(generation)
@@ -292,6 +300,8 @@ class ElasticAgent(LocalElasticAgent):
         if self.in_place_store is not None and isinstance(self._pcontext, WarmContext):
             self._pcontext.keep_survivors = True
         self._hang_deferred = None
+        self._round_ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._rank_env = {}
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
         if world in self.peer_step_times:
@@ -308,6 +318,15 @@ class ElasticAgent(LocalElasticAgent):
                        remaining_restarts=self._remaining_restarts,
                        backoff_s=0.0, step_reached=None)
         return pids
+
+    def _tell_round(self, worker_group: WorkerGroup) -> None:
+        handler = worker_group.spec.rdzv_handler
+        if hasattr(handler, "local_world_size"):
+            handler.local_world_size = worker_group.spec.local_world_size
+        try:
+            os.environ[ENV_ROUND] = str(rdzv_round(worker_group))
+        except AgentError:  # not our rendezvous: no shrinks either
+            os.environ.pop(ENV_ROUND, None)
 
     def _join_generation(self, worker_group: WorkerGroup) -> int | None:
         """The process-group generation this node's workers start in after taking a lost node's place: a new one,
@@ -404,7 +423,8 @@ class ElasticAgent(LocalElasticAgent):
             return False
         try:
             generation = next_generation(self.in_place_store)
-            pids = {lr: ctx.replace(lr, {ENV_GENERATION: str(generation)}) for lr in sorted(failures)}
+            pids = {lr: ctx.replace(lr, {ENV_GENERATION: str(generation), **self._rank_env.get(lr, {})})
+                    for lr in sorted(failures)}
         except Exception as e:  # noqa: BLE001 - etcd down, no process could start: the full restart may still work
             log.warning("could not replace the failed worker(s) in place (%s); restarting every worker", e)
             return False
@@ -424,6 +444,17 @@ class ElasticAgent(LocalElasticAgent):
                    backoff_s=0.0)
         worker_group.state = WorkerState.HEALTHY
         return True
+
+    def _adopt_shrinks(self, worker_group: WorkerGroup) -> None:
+        """The round dropped a lost node in place (its handler says so): this node's workers' new ranks."""
+        try:
+            generation = current_generation(self.in_place_store)
+        except Exception as e:  # noqa: BLE001 - etcd blinked: the handler's own record still tells
+            log.debug("could not read the process-group generation: %s", e)
+            generation = 1 << 62
+        overrides = adopt_shrinks(worker_group, self._round_ranks, generation, self._emit)
+        if overrides:
+            self._rank_env = overrides
 
     def _step_reached(self) -> int | None:
         """The step this node's workers reached (their last beats), on its failure and restart events: the time
@@ -521,6 +552,8 @@ class ElasticAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         now = self._clock()
+        if self.in_place_store is not None:
+            self._adopt_shrinks(worker_group)
         if self._channel is not None:
             # Also when the group just failed: the beats a worker sent right before it died say which step it
             # reached (the restart record and crash-loop detection use it). Seen: a worker that crashed 0.15 s

@@ -50,7 +50,7 @@ from elastictrain.errors import AgentError, ConfigError
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
-from elastictrain.rendezvous.settings import EtcdSettings, conf_seconds
+from elastictrain.rendezvous.settings import EtcdSettings, conf_flag, conf_seconds
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from elastictrain.runtime.inplace import ENV_IN_PLACE, InPlaceSettings, generations_store
 from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_STEPS
@@ -165,7 +165,9 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             os.environ[ENV_IN_PLACE] = InPlaceSettings(request.config.rdzv_endpoint, run_id,
                                                        dict(request.config.rdzv_configs),
                                                        elastic.in_place_timeout_s,
-                                                       held_place_s(request.config.rdzv_configs)).to_env()
+                                                       held_place_s(request.config.rdzv_configs),
+                                                       conf_flag(request.config.rdzv_configs,
+                                                                 "in_place_shrink")).to_env()
         replacer = _straggler_replacer(elastic, client, settings.run_prefix, request.config.min_nodes, relay,
                                        lambda: publisher.node if publisher else None,
                                        lambda kind, fields: publisher.on_event(kind, fields) if publisher else None)

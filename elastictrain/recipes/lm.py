@@ -71,6 +71,15 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
     model = build_sharded(cfg.model, w.mesh, t, w.device)
     hf_config = model.config
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps)
+
+    def rebuild() -> TrainState:
+        """The world shrank in place (a node lost for good): the model sharded over the new mesh, its optimizer and
+        scheduler; the loop loads them from the in-memory snapshots. The step below reads them from `state`."""
+        new = build_sharded(cfg.model, w.mesh, t, w.device)
+        if has_frozen(new):
+            fill_weights(new, cfg.model, t.seed)  # the frozen base: not in the snapshots
+        new_optimizer, new_scheduler = build_optimizer(new, cfg.optim, t.steps)
+        return TrainState(model=new, optim=new_optimizer, scheduler=new_scheduler, trainable_only=has_frozen(new))
     source = build_source(d, int(hf_config.vocab_size), t.seed, cfg.model.path)
     sampler = (PackedSampler(source.packs, global_batch_size=d.global_batch_size,
                              micro_batch_size=d.micro_batch_size, seed=t.seed) if isinstance(source, PackedSource)
@@ -78,6 +87,7 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
                                    micro_batch_size=d.micro_batch_size, seed=t.seed))
     trainable_only = has_frozen(model)
     state = TrainState(model=model, optim=optimizer, scheduler=scheduler, data=sampler, trainable_only=trainable_only)
+    del model, optimizer, scheduler  # the state's (a smaller world in place replaces them: `rebuild`)
     log.debug("model and data set up in %.2fs", time.monotonic() - setup_started)
 
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
@@ -93,17 +103,18 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
         if step % t.log_every == 0 or step == end:
             st = statistics.median(loop.step_times[-t.log_every:])
             log.info("step %d/%d loss %.4f lr %.2e step_time %.3fs tokens/s %.0f", step, t.steps, loss,
-                     scheduler.get_last_lr()[0], st, tokens_per_step / st)
+                     state.extras["scheduler"].get_last_lr()[0], st, tokens_per_step / st)
 
     if trainable_only:
         # A section: the agent's init allowance, then 5 x its longest run, not the start-up timeout.
         with w.section("frozen_base"):
-            fill_weights(model, cfg.model, t.seed)
+            fill_weights(state.model, cfg.model, t.seed)
     loop = w.steps(end, state, checkpoint=cfg.checkpoint if cfg.checkpoint.url else None,
                    fingerprint=job_fingerprint(cfg, trainable_only),
                    metadata={"hf_config": hf_config.to_dict(), **adapter_metadata(cfg.model)},
                    audit_dir=str(Path(t.output_dir) / "samples") if t.audit_samples else None, on_step=after_step,
-                   init=None if trainable_only else (lambda: fill_weights(model, cfg.model, t.seed)))
+                   init=None if trainable_only else (lambda: fill_weights(state.model, cfg.model, t.seed)),
+                   rebuild=rebuild)
     if w.is_main and t.progress and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=t.steps, desc="train", unit="step", dynamic_ncols=True)
@@ -119,6 +130,7 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
                        else d.global_batch_size * d.seq_len)
             norm = targets * d.micro_batch_size / d.global_batch_size
+            model, optimizer = state.model, state.optim
             for mb in sampler.micro_batches():
                 model.set_requires_gradient_sync(mb.last)
                 loss = token_loss(model, source, mb.indices, w.device)
@@ -128,8 +140,9 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
-            scheduler.step()
+            state.extras["scheduler"].step()
             optimizer.zero_grad(set_to_none=True)
+            del model, optimizer
     wall = time.monotonic() - first_step if first_step is not None else 0.0
     if bar is not None:
         bar.close()

@@ -50,7 +50,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastictrain.rendezvous.backend import EtcdV3Backend
 from elastictrain.rendezvous.client import EtcdClient, EtcdUnavailableError
 from elastictrain.rendezvous.liveness import NodeLiveness
-from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings, conf_seconds
+from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings, conf_flag, conf_seconds
+from elastictrain.rendezvous.shrink import Shrinks, World, round_ranks
 from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
 from elastictrain.rendezvous.store import EtcdStore
 from elastictrain.rendezvous.vacancy import Vacancies, Vacancy, local_world_size_of
@@ -80,6 +81,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         liveness: NodeLiveness,
         rejoin_wait: float = DEFAULTS["rejoin_wait"],
         vacancies: Vacancies | None = None,
+        shrinks: Shrinks | None = None,
     ) -> None:
         super().__init__(node, settings, "etcd3", store, state_holder)
         self._op_executor = WatchingOpExecutor(node, state_holder, settings, liveness, rejoin_wait)
@@ -96,6 +98,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._claim: Vacancy | None = None
         self.took_over: Vacancy | None = None
         """The lost node's place this node took in place (set by `claim_vacancy`, for the agent), else None."""
+        self._shrinks = shrinks
+        """A smaller world in place (shrink.py): a lost node nobody replaces is dropped without a new round."""
+        self.local_world_size: int | None = None
+        """This node's number of workers (set by the agent): the round's ranks when torch's store does not say."""
+        self.shrunk: list[tuple[str, World | None]] = []
+        """Lost nodes this round shrank around, for the agent: (node, the world this agent recorded or None)."""
+        self._shrunk_round = False
         store.abandoned = self._round_over
 
     @property
@@ -136,6 +145,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._round = (state.round, {node_id(n): r for n, r in state.participants.items()})
         self._held.clear()
         self.took_over = None
+        self._shrunk_round = False
+        if self._shrinks is not None and info.rank == 0:
+            try:  # a new round numbers its ranks afresh: older rounds' shrinks name nobody in it
+                self._shrinks.forget_before(state.round)
+            except Exception as e:  # noqa: BLE001 - stale records are keyed by their round; nobody reads them
+                logger.debug("could not clear old in-place shrinks: %s", e)
         if self._vacancies is not None and info.rank == 0:
             try:  # a new round: earlier take-overs are plain members of it
                 self._vacancies.clear_claims()
@@ -228,15 +243,58 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         lost = self._liveness.lost(self._round_members - set(self._held))
         if self._vacancies is not None and (lost or self._held):
             lost = {n for n in lost if not self._hold(n)} | self._settle_held(now)
+        if lost and self._shrinks is not None and waiting == 0:
+            lost -= self._shrink(lost)
         if lost:
             logger.warning("lost node(s) %s of the current round; asking for a new round", sorted(lost))
             self._round_members -= lost
         return waiting + len(lost)
 
+    def round_ranks(self) -> dict[str, list[int]] | None:
+        """Every member's global ranks in the running round (lost members included); None when not known."""
+        if self._round is None:
+            return None
+        number, ranks = self._round
+        store = self._wrap_store(self._store)
+        sizes: dict[int, int] = {}
+        for rank in range(len(ranks)):
+            size = local_world_size_of(store, rank) or self.local_world_size
+            if size is None:
+                return None
+            sizes[rank] = size
+        return round_ranks(ranks, sizes)
+
+    def _shrink(self, lost: set[str]) -> set[str]:
+        """Drop `lost` from the running round in place (shrink.py); the nodes it did that for (none: a new round)."""
+        assert self._shrinks is not None
+        if self._round is None or len(self._round_members - lost) < self._settings.min_nodes:
+            return set()
+        try:
+            ranks = self.round_ranks()
+            if ranks is None:
+                return set()
+            for node in sorted(lost):
+                self.shrunk.append((node, self._shrinks.record(self._round[0], node, ranks)))
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types; a new round still works
+            logger.warning("could not shrink the round in place around lost node(s) %s (%s); asking for a new round",
+                           sorted(lost), e)
+            return set()
+        logger.warning("lost node(s) %s of the current round: the round goes on without them, in place", sorted(lost))
+        self._round_members -= lost
+        self._shrunk_round = True
+        return set(lost)
+
+    def world(self, generation: int) -> World | None:
+        """The running round's world at process-group generation `generation` when it shrank in place, else None."""
+        if self._shrinks is None or self._round is None:
+            return None
+        return self._shrinks.world(self._round[0], generation)
+
     def _hold(self, lost: str) -> bool:
         """Offer lost member `lost`'s place for an in-place take-over; False when that is not possible."""
         assert self._vacancies is not None
-        if self._round is None or lost not in self._round[1]:
+        if self._round is None or lost not in self._round[1] or self._shrunk_round:
+            # A shrunk round's ranks are no longer the lost node's to hand over: a node started now scales up.
             return False
         number, ranks = self._round
         rank = ranks[lost]
@@ -379,9 +437,11 @@ def create_etcd_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     liveness.start()
     state_holder.watch(client)
     hold_s = conf_seconds(params.config, "in_place_rejoin", allow_zero=True)
+    shrink = conf_flag(params.config, "in_place_shrink")
     handler = EtcdRendezvousHandler(node, rdzv_settings, store, state_holder, client, liveness,
                                     rejoin_wait=conf_seconds(params.config, "rejoin_wait", allow_zero=True),
-                                    vacancies=Vacancies(client, settings.run_prefix, hold_s) if hold_s > 0 else None)
+                                    vacancies=Vacancies(client, settings.run_prefix, hold_s) if hold_s > 0 else None,
+                                    shrinks=Shrinks(client, settings.run_prefix) if shrink else None)
     logger.info(
         "etcd3 rendezvous '%s' on %s as node %s (lease ttl %s s)",
         params.run_id, settings.endpoints_str(), handler.this_node, settings.lease_ttl,

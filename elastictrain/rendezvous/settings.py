@@ -20,6 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "last_call_timeout": 2,  # s; torch's default (30 s) mostly adds idle time after a node loss
     "rejoin_wait": 0,  # s; of a re-forming round's last call, kept for a lost node to come back
     "in_place_rejoin": 0,  # s; a lost node's place held for a new node to take over in place (0: a new round)
+    "in_place_shrink": 0,  # 1: a lost node nobody replaces is dropped from the running round in place (shrink.py)
     "join_timeout": 600,  # s; torch's default
     "close_timeout": 30,  # s; torch's default
     "heartbeat_timeout": 5,  # s; torch's default
@@ -81,6 +82,16 @@ def conf_seconds(conf: dict[str, Any], key: str, allow_zero: bool = False) -> fl
     if not number >= 0 or (number == 0 and not allow_zero):  # NaN fails too
         raise RendezvousError(f"rdzv-conf {key}={value!r} must be {'>= 0' if allow_zero else 'positive'}")
     return number
+
+
+def conf_flag(conf: dict[str, Any], key: str) -> bool:
+    """A `--rdzv-conf` switch: 1/0, true/false, yes/no, on/off; its default when absent."""
+    value = str(conf.get(key, DEFAULTS[key])).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise RendezvousError(f"rdzv-conf {key}={conf.get(key)!r} is not a switch; use 1 or 0")
 
 
 @dataclass(frozen=True)

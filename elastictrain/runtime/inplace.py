@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from elastictrain.errors import ElastictrainError
+from elastictrain.rendezvous.shrink import ENV_ROUND, ENV_ROUND_RANK, Shrinks, World
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ GENERATIONS_PREFIX = "inplace"
 _POLL_S = 0.05
 _NODES_POLL_S = 0.25
 _WATCH_S = 0.5
+_SHRINK_WAIT_S = 15.0
+"""After a node left: how long a paused worker waits for its agents to decide (a smaller world, a new round)."""
 
 _PEER_FAILURE_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
                          "pair.cc", "nccl", "timed out", "timeout", "abort")
@@ -65,7 +68,10 @@ class InPlaceSettings:
     """The longest a survivor waits for the replaced rank's generation before it gives up on the in-place path."""
     rejoin_s: float = 0.0
     """`elastic.rejoin_wait_s`: how long a lost node's place is held for a new node to take over in place
-    (rendezvous/vacancy.py); 0: a lost node ends the in-place path at once."""
+    (rendezvous/vacancy.py); 0: a lost node ends the in-place path at once (unless `shrink`)."""
+    shrink: bool = False
+    """`elastic.in_place_shrink`: a lost node nobody replaces is dropped and the survivors go on as a smaller world
+    (rendezvous/shrink.py), which a paused worker waits for instead of giving up."""
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), default=str)
@@ -77,7 +83,7 @@ class InPlaceSettings:
             return None
         data = json.loads(raw)
         return cls(str(data["endpoint"]), str(data["run_id"]), dict(data.get("conf") or {}),
-                   float(data.get("timeout_s", 60.0)), float(data.get("rejoin_s", 0.0)))
+                   float(data.get("timeout_s", 60.0)), float(data.get("rejoin_s", 0.0)), bool(data.get("shrink")))
 
 
 def generations_store(client: Any, run_prefix: str) -> dist.Store:
@@ -115,6 +121,10 @@ class InPlace:
         self.generation: Optional[int] = int(joined) if joined else None
         """The generation this process runs in; None until known (a first start reads it at its loop's start)."""
         self.replacement = joined is not None
+        self.round = int(os.environ.get(ENV_ROUND, "-1"))
+        """The rendezvous round this worker's group formed in (set by the agent; -1: unknown, no shrink)."""
+        self.round_rank = int(os.environ.get(ENV_ROUND_RANK, rank))
+        """This worker's global rank when its round formed: its name in the round's shrinks (rendezvous/shrink.py)."""
         self._client: Any = None
         self._store: Optional[dist.Store] = None
         self._prefix = self._run_prefix = ""
@@ -146,6 +156,12 @@ class InPlace:
     def read_generation(self) -> int:
         return current_generation(self.store)
 
+    def world_at(self, generation: int) -> Optional[World]:
+        """The smaller world this worker's round runs in at `generation`, when it shrank in place; else None."""
+        if not self.settings.shrink or self.round < 0:
+            return None
+        self.store  # noqa: B018 - connects
+        return Shrinks(self._client, self._run_prefix).world(self.round, generation)
 
     def wait_next(self, beat: Callable[[], None], stop: Callable[[], bool]) -> int:
         """Wait until the agent of the failed rank started a newer generation than ours; its number.
@@ -168,14 +184,19 @@ class InPlace:
             if time.monotonic() - checked >= _NODES_POLL_S:
                 checked = time.monotonic()
                 lost = sorted(nodes - self._nodes())
-                if lost and self.settings.rejoin_s <= 0:
+                if lost and self.settings.rejoin_s <= 0 and not self.settings.shrink:
                     raise InPlaceFailed(f"node(s) {', '.join(lost)} left the job while paused in place; "
                                         f"restarting every worker instead")
-                if lost:  # its place is held: wait for the node that takes it over (or for the agents' SIGTERM)
+                if lost and self.settings.rejoin_s <= 0:  # the agents drop it: wait for the smaller world
+                    log.warning("node(s) %s left the job while paused in place; waiting for the survivors to go on "
+                                "without them (elastic.in_place_shrink)", ", ".join(lost))
+                    nodes -= set(lost)
+                    deadline = max(deadline, time.monotonic() + _SHRINK_WAIT_S)
+                elif lost:  # its place is held: wait for the node that takes it over (or for the agents' SIGTERM)
                     log.warning("node(s) %s left the job while paused in place; waiting up to %.0f s for a node to "
                                 "take over (elastic.rejoin_wait_s)", ", ".join(lost), self.settings.rejoin_s)
                     nodes -= set(lost)
-                    deadline = max(deadline, time.monotonic() + self.settings.rejoin_s + 15.0)
+                    deadline = max(deadline, time.monotonic() + self.settings.rejoin_s + _SHRINK_WAIT_S)
             if time.monotonic() >= deadline:
                 raise InPlaceFailed(f"no replacement joined within {self.settings.timeout_s:g} s "
                                     f"(elastic.in_place_timeout_s); restarting every worker instead")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -100,16 +101,28 @@ class Session:
         log.debug("session started: rank %d/%d on %s", self.rank, self.world_size, self.device)
         return self
 
-    def rebuild(self, generation: int) -> None:
-        """Replace this process's groups by generation `generation`'s (the in-place path, runtime/inplace.py)."""
+    def rebuild(self, generation: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
+        """Replace this process's groups by generation `generation`'s (the in-place path, runtime/inplace.py); with
+        `rank`/`world_size` (a smaller world, rendezvous/shrink.py) under this rank in a world of that size, on a new
+        device mesh. True when the mesh is new (a model sharded over the old one must be built again)."""
         assert self.in_place is not None and self.mesh is not None
         abort_groups()
+        resized = world_size is not None and (world_size != self.world_size or rank != self.rank)
+        if resized:
+            assert rank is not None and world_size is not None
+            self.info = dataclasses.replace(self.info, rank=rank, world_size=world_size)
+            self.in_place.rank, self.in_place.world_size = rank, world_size
+            # Code that reads torchrun's variables (torch's own helpers, the user's) sees the new world too.
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
         init_world(self.in_place.group_store(generation), self.rank, self.world_size,
                    datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device)
-        if self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
+        if resized:
+            self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        elif self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
             raise InPlaceFailed("the device mesh does not resolve to the rebuilt process group (a torch version whose "
                                 "meshes keep their groups otherwise); restarting every worker instead")
         self.in_place.generation = generation
+        return resized
 
     def close(self) -> None:
         if self.in_place is not None:

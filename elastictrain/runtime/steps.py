@@ -78,7 +78,7 @@ class LoopHost(Protocol):
     def device(self) -> torch.device: ...
     @property
     def in_place(self) -> Optional[InPlace]: ...
-    def rebuild_group(self, generation: int) -> None: ...
+    def rebuild_group(self, generation: int) -> bool: ...
 
 
 def _short_cause(exc: Optional[BaseException]) -> str:
@@ -101,11 +101,12 @@ class StepLoop:
     def __init__(self, worker: LoopHost, total: int, state: TrainState, *,
                  checkpoint: Optional[CheckpointConfig], fingerprint: Optional[dict[str, Any]],
                  metadata: Optional[dict[str, Any]], audit_dir: Optional[str], log_every: int,
-                 on_step: Optional[StepHook], init: Optional[Callable[[], None]] = None):
+                 on_step: Optional[StepHook], init: Optional[Callable[[], None]] = None,
+                 rebuild: Optional[Callable[[], TrainState]] = None):
         if total < 0:
             raise ConfigError(f"Worker.steps: total={total} must be >= 0")
         self.worker, self.total, self.state = worker, total, state
-        self.log_every, self.on_step, self._init = log_every, on_step, init
+        self.log_every, self.on_step, self._init, self._rebuild = log_every, on_step, init, rebuild
         self.metrics: dict[str, float] = {}
         """The values of `Worker.report`, summed over ranks, of the last finished step."""
         self.step_times: list[float] = []
@@ -135,14 +136,41 @@ class StepLoop:
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
         self._started = False
-        # Straggler timings: when this step's ranks left the last all_reduce, and this rank's first forward since.
+        self._stragglers: Optional[StragglerWatch] = None
+        self._forward_hook: Any = None
+        self._watch_stragglers()
+
+    def _watch_stragglers(self) -> None:
+        """Straggler timings: when this step's ranks left the last all_reduce, and this rank's first forward since."""
+        worker, state = self.worker, self.state
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self._stragglers = (StragglerWatch(worker.world_size, config_from_env())
                             if 1 < worker.world_size <= MAX_WORLD else None)
         self._released, self._first_forward = time.monotonic(), 0.0
-        self._forward_hook = None
         if self._stragglers is not None and state.model is not None:
             # In front of FSDP's own pre-forward hook, whose all-gather is the step's first collective.
             self._forward_hook = state.model.register_forward_pre_hook(self._on_forward, prepend=True)
+
+    @property
+    def can_rebuild(self) -> bool:
+        """The script gave `rebuild`: the loop can go on in place in a smaller world."""
+        return self._rebuild is not None
+
+    def rebuild_state(self) -> None:
+        """The world shrank in place: the model, optimizer and scheduler built again on the new mesh (`rebuild`), put
+        into the state; the load from the snapshots that follows fills them."""
+        assert self._rebuild is not None
+        old = self.state.model
+        self.state.model = self.state.optim = None  # the old shards go before the new ones are allocated
+        del old
+        new = self._rebuild()
+        if not isinstance(new, TrainState):
+            raise ConfigError(f"Worker.steps(rebuild=...) returned {type(new).__name__}; return a TrainState with the "
+                              f"model built on w.mesh, its optimizer and scheduler")
+        self.state.adopt(new)
+        self._watch_stragglers()
 
     # --- user side ---------------------------------------------------------------------------------------
 
@@ -296,7 +324,7 @@ class StepLoop:
             self.ledger.close()
             self.ledger = None
         self._pending = {}
-        old = in_place.generation
+        old, old_world = in_place.generation, w.world_size
         try:
             generation = in_place.wait_next(beat=lambda: w.heartbeat.beat(failed_step, "paused"),
                                             stop=lambda: w.stop_flag.requested)
@@ -313,7 +341,9 @@ class StepLoop:
         if w.is_main:
             log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)
             w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
-                              pause_s=round(pause, 3), cause=cause)
+                              pause_s=round(pause, 3), cause=cause,
+                              **({"from_world_size": old_world, "to_world_size": w.world_size}
+                                 if old_world != w.world_size else {}))
             if old is not None:
                 in_place.forget(old)
 

@@ -193,6 +193,13 @@ class TrainState:
         self.step = 0
         self._reused: dict[str, Stateful] = {}
 
+    def adopt(self, other: "TrainState") -> None:
+        """Take `other`'s model, optimizer and extras (a model built again on a new mesh: the in-place shrink);
+        extras `other` lacks (samplers) stay. The step stays too: the load that follows sets it."""
+        self.model, self.optim, self.trainable_only = other.model, other.optim, other.trainable_only
+        self.extras.update(other.extras)
+        self._reused = {}
+
     @property
     def samplers(self) -> list[ElasticSampler]:
         return [v for v in self.extras.values() if isinstance(v, ElasticSampler)]

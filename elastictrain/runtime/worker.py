@@ -183,12 +183,34 @@ class Worker:
         """Set when the agent runs the job with `elastic.in_place` (see `guard`)."""
         return self.session.in_place if self.session is not None else None
 
-    def rebuild_group(self, generation: int) -> None:
-        """The in-place path: this process's groups replaced by generation `generation`'s, FSDP pointed at them."""
-        self._session().rebuild(generation)
+    def rebuild_group(self, generation: int) -> bool:
+        """The in-place path: this process's groups replaced by generation `generation`'s, FSDP pointed at them.
+        When the world shrank by then (rendezvous/shrink.py), this rank takes its place in the smaller world and the
+        step loop's `rebuild` builds the model again on the new mesh; True then (the state must be loaded again)."""
+        session, in_place = self._session(), self.in_place
+        assert in_place is not None
+        world = in_place.world_at(generation)
+        rank = size = None
+        if world is not None:
+            rank = world.rank_of(in_place.round_rank)
+            if rank is None:
+                raise InPlaceFailed(f"this worker (round rank {in_place.round_rank}) is not in the smaller world of "
+                                    f"generation {generation}; restarting every worker instead")
+            size = world.size
+            if (rank, size) != (self.rank, self.world_size) and (self.loop is None or not self.loop.can_rebuild):
+                raise InPlaceFailed(f"the world shrank in place to {size} ranks (node(s) {', '.join(world.gone)} "
+                                    f"left), but the script gave Worker.steps no `rebuild` to build its model on the "
+                                    f"new mesh; restarting every worker instead")
+        if session.rebuild(generation, rank, size):
+            assert self.loop is not None
+            log.warning("the world shrank in place to %d ranks: now rank %d; building the model on the new mesh",
+                        self.world_size, self.rank)
+            self.loop.rebuild_state()
+            return True
         model = self.loop.state.model if self.loop is not None else None
         if model is not None:
             rebind_fsdp(model)
+        return False
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -215,7 +237,8 @@ class Worker:
     def steps(self, total: int, state: TrainState, *, checkpoint: str | CheckpointConfig | None = None,
               fingerprint: Optional[dict[str, Any]] = None, metadata: Optional[dict[str, Any]] = None,
               audit_dir: Optional[str] = None, log_every: int = 0, on_step: Optional[StepHook] = None,
-              init: Optional[Callable[[], None]] = None, **checkpoint_options: Any) -> StepLoop:
+              init: Optional[Callable[[], None]] = None, rebuild: Optional[Callable[[], TrainState]] = None,
+              **checkpoint_options: Any) -> StepLoop:
         """The training loop: `for step in w.steps(total, state, ...)` yields each step index still to run.
 
         `checkpoint`: a URL (file://, s3://, a path) or a full `CheckpointConfig`; `every_steps`, `every_seconds`,
@@ -227,11 +250,16 @@ class Worker:
         `init()`: called on every rank when nothing was restored (a fresh start), before the first step: initialise
         weights there (a model built on the meta device, sharded, then `to_empty`), so that a restart does not
         pay for an initialisation that the load overwrites.
+        `rebuild()`: with `elastic.in_place`, called on every rank when the world shrank in place (a node lost for
+        good): build the model (on `w.mesh`, the new mesh), optimizer and scheduler again and return them as a
+        `TrainState` (samplers may be left out: the loop keeps the ones it has). The loop puts them into `state`
+        and loads them from the in-memory snapshots, re-sharded; read them from `state` (`state.model`,
+        `state.optim`, `state.extras[...]`) inside the step. Without it, a smaller world restarts every worker.
         """
         self._session()
         cfg = _checkpoint_config(checkpoint, checkpoint_options, self._train_cfg.collective_timeout_s)
         self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
-                             audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init)
+                             audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init, rebuild=rebuild)
         return self.loop
 
     def guard(self) -> Any:

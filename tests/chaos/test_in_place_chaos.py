@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import time
 
@@ -14,9 +15,17 @@ import pytest
 
 from elastictrain.agent.jobstate import event_dict
 from elastictrain.agent.ledger import compute
+from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import signal_worker
-from tests.chaos.cluster import Job
-from tests.chaos.test_agent_chaos import ON_TWO, WAIT_FOR_REJOIN, assert_recovered, events, start_two
+from tests.chaos.cluster import STEPS, Job
+from tests.chaos.test_agent_chaos import (
+    ON_TWO,
+    WAIT_FOR_REJOIN,
+    assert_recovered,
+    events,
+    replay_on_one_rank,
+    start_two,
+)
 from tests.chaos.test_snapshot_chaos import SNAPSHOTS
 from tests.integration.recipe_runs import assert_same_train_state
 
@@ -108,5 +117,47 @@ def test_a_lost_node_whose_place_is_not_held_falls_back_to_a_restart_of_every_wo
             "the node loss did not fall back to a restart of every worker"
         assert not [e for e in evs if e.kind == "restart" and e.fields.get("in_place")], \
             "a lost node's rank was 'replaced in place' with no agent to start it"
+    finally:
+        job.teardown()
+
+
+def test_a_node_lost_for_good_leaves_a_smaller_world_in_place(tmp_path, etcd, run_id, reference):
+    """Node a (rank 0, the first agent) SIGKILLed for good, its RAM with it, in a 1:2 job with no place held: b's
+    agent drops it from the running round (no new round), and b's worker, paused in place with its process, becomes
+    rank 0 of a world of 1: it builds the model on the new mesh (the recipe's `rebuild`) and loads the 2-rank
+    snapshot of the step before the kill, resharded (its own rank's slot and a's replica on b's node). It ends bitwise
+    where 2 ranks up to that step, then 1, would, every sample consumed once, no committed checkpoint lost."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a, b = start_two(job)
+        survivor = job.wait_workers(b)
+        saved = job.valid_checkpoints()
+        reached = job.max_step()  # every rank, and b's replica of a, hold the snapshot of step reached - 1
+        a.kill()
+        for folder in snapshot_base().glob(f"*-{a.pid}"):
+            shutil.rmtree(folder)  # the node's RAM is gone with it (on one machine the folder would outlive it)
+        job.wait_for_step(reached + 2, world_size=1)
+        assert job.wait_workers(b) == survivor, "the survivor was restarted instead of going on in place"
+        assert job.wait([b]) == [0], job.logs()
+        evs = events(job)
+        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        resumed = [e for e in evs if e.kind == "in_place_resumed"]
+        assert len(resumed) == 1 and resumed[0].fields.get("from_world_size") == 2, dump
+        assert resumed[0].fields["to_world_size"] == 1 and resumed[0].fields["step"] >= reached - 1, dump
+        start = resumed[0].fields["step"]
+        shrink = [e for e in evs if e.kind == "shrink"]
+        assert shrink and shrink[0].fields["world_size"] == 1 and shrink[0].fields["global_ranks"] == {"0": 0}, dump
+        assert sum(1 for e in evs if e.kind == "join") == 2, "a new round formed instead of shrinking in place"
+        assert not [e for e in evs if e.kind == "restart"], "the workers were restarted instead of going on in place"
+        loaded = [e for e in evs if e.kind == "checkpoint_snapshot_loaded"]
+        assert loaded and loaded[-1].fields["step"] == start and loaded[-1].fields["resharded_from"] == 2, dump
+        summary = assert_recovered(job, saved, {s: 2 if s < start else 1 for s in range(STEPS)})
+        # The survivor's process logged every step: those up to the shrink as the 2-rank reference, the rest as the
+        # replay on 1 rank from the step it resumed from.
+        replay = replay_on_one_rank(job, reference, start, tmp_path / "replay")
+        assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items() if int(k) > start}},
+                                replay)
+        before = {k: v for k, v in summary["losses"].items() if int(k) <= start}
+        assert before and all(v == reference.summary["losses"][k] for k, v in before.items()), before
     finally:
         job.teardown()

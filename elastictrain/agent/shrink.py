@@ -1,0 +1,57 @@
+"""The agent's side of a smaller world in place (rendezvous/shrink.py): after the round dropped a lost node, this
+node's workers have new global ranks in a smaller world. The agent renumbers its view of them (events, status, the
+hang rule's world size) and remembers the environment a later in-place replacement of one of them must start with."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+from elastictrain.rendezvous.shrink import ENV_ROUND_RANK, World
+
+log = logging.getLogger(__name__)
+
+
+def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int], generation: int,
+                  emit: Callable[..., None]) -> dict[int, dict[str, str]]:
+    """Apply the round's shrinks the rendezvous handler recorded since the last call (none: {}). `round_ranks`:
+    each local rank's global rank when the round formed. Returns each local rank's environment overrides for a
+    replacement started from now on ({} when nothing changed)."""
+    handler: Any = worker_group.spec.rdzv_handler
+    shrunk = getattr(handler, "shrunk", None)
+    if not shrunk:
+        return {}
+    lost = [node for node, _ in shrunk]
+    recorded = [w for _, w in shrunk if w is not None]
+    shrunk.clear()
+    world: World | None = max(recorded, key=lambda w: w.generation) if recorded else None
+    try:
+        newest = handler.world(generation)
+        if newest is not None and (world is None or newest.generation > world.generation):
+            world = newest
+    except Exception as e:  # noqa: BLE001 - etcd blinked: the record this agent wrote (if any) still tells
+        log.debug("could not read the round's shrinks: %s", e)
+    if world is None:
+        log.warning("lost node(s) %s were dropped from the round in place, but the new world is not readable yet",
+                    ", ".join(lost))
+        return {}
+    old_world = worker_group.workers[0].world_size if worker_group.workers else 0
+    overrides: dict[int, dict[str, str]] = {}
+    for w in worker_group.workers:
+        rank = world.rank_of(round_ranks.get(w.local_rank, w.global_rank))
+        if rank is None:  # cannot be: this node is alive; leave the worker as it is, the workers fall back
+            continue
+        w.global_rank, w.world_size = rank, world.size
+        w.role_rank, w.role_world_size = rank, world.size
+        overrides[w.local_rank] = {"RANK": str(rank), "WORLD_SIZE": str(world.size), "ROLE_RANK": str(rank),
+                                   "ROLE_WORLD_SIZE": str(world.size),
+                                   ENV_ROUND_RANK: str(round_ranks.get(w.local_rank, rank))}
+    worker_group.group_world_size = max(1, (worker_group.group_world_size or 1) - len(lost))
+    log.warning("the round goes on without lost node(s) %s, in place: world size %d -> %d (generation %d)",
+                ", ".join(lost), old_world, world.size, world.generation)
+    emit("shrink", reason="node lost", in_place=True, lost_nodes=lost, generation=world.generation,
+         world_size=world.size, from_world_size=old_world,
+         global_ranks={w.local_rank: w.global_rank for w in worker_group.workers}, recorded_here=bool(recorded))
+    return overrides
