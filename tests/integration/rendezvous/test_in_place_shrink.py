@@ -1,0 +1,121 @@
+"""A smaller world in place (`--rdzv-conf in_place_shrink=1`, rendezvous/shrink.py), with the real handler on a real
+etcd: a lost member is dropped from the running round without a new round while `min_nodes` are left, its loss
+recorded once whoever sees it, and the recorded world names the surviving ranks in order; below `min_nodes`, or with
+a node waiting to join, the survivors ask for a new round as before."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.etcd_handler import EtcdRendezvousHandler, create_etcd_handler
+from elastictrain.rendezvous.settings import EtcdSettings
+from elastictrain.rendezvous.shrink import Shrinks, round_ranks
+from tests.fixtures.etcd import EtcdHandle
+from tests.integration.rendezvous.test_handler import _kill_without_goodbye, _params, _rendezvous_all
+
+
+def _form(etcd: EtcdHandle, run_id: str, n: int, sizes: list[int], min_nodes: int = 1,
+          shrink: int = 1) -> list[EtcdRendezvousHandler]:
+    """`n` nodes in one round, ordered by group rank, node i running `sizes[i]` workers (as torch's agent records
+    it in the round's store)."""
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, min_nodes, n, in_place_shrink=shrink))
+                for _ in range(n)]
+    infos = _rendezvous_all(handlers)
+    by_rank = sorted(zip(handlers, infos), key=lambda hi: hi[1].rank)
+    for (_, info), size in zip(by_rank, sizes):
+        info.store.set(f"torchelastic/role_info/{info.rank}", json.dumps({"role": "default", "rank": info.rank,
+                                                                          "local_world_size": size}))
+    return [h for h, _ in by_rank]
+
+
+def _shrinks(etcd: EtcdHandle, run_id: str) -> Shrinks:
+    settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
+    client = EtcdClient(settings)
+    client.connect()
+    return Shrinks(client, settings.run_prefix)
+
+
+def _until_dropped(handler: EtcdRendezvousHandler, timeout: float = 15) -> None:
+    start = time.monotonic()
+    while not handler.shrunk:
+        assert handler.num_nodes_waiting() == 0, "the survivor asked for a new round instead of shrinking in place"
+        assert time.monotonic() - start < timeout, "the lost node was never dropped"
+        time.sleep(0.1)
+
+
+def test_round_ranks_follow_torchs_numbering_of_unequal_nodes() -> None:
+    assert round_ranks({"a": 0, "b": 1, "c": 2}, {0: 2, 1: 1, 2: 3}) == {"a": [0, 1], "b": [2], "c": [3, 4, 5]}
+    # A member that already left keeps its ranks' places in the numbering.
+    assert round_ranks({"a": 0, "c": 2}, {0: 2, 1: 1, 2: 3}) == {"a": [0, 1], "c": [3, 4, 5]}
+
+
+def test_a_lost_middle_node_is_dropped_in_place_and_its_ranks_leave_the_world(etcd: EtcdHandle, run_id: str) -> None:
+    first, middle, last = _form(etcd, run_id, 3, [2, 1, 2])
+    shrinks = _shrinks(etcd, run_id)
+    rnd = first._round[0]
+    _kill_without_goodbye(middle)
+    # Both survivors see the loss; one records it, neither asks for a new round.
+    worlds: list = []
+
+    def watch(h: EtcdRendezvousHandler) -> None:
+        _until_dropped(h)
+        worlds.extend(w for _, w in h.shrunk)
+
+    threads = [threading.Thread(target=watch, args=(h,)) for h in (first, last)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    recorded = [w for w in worlds if w is not None]
+    assert len(recorded) == 1, f"the loss was recorded {len(recorded)} times: {worlds}"
+    world = recorded[0]
+    assert world.survivors == (0, 1, 3, 4) and world.gone == (middle.this_node,), world
+    assert [world.rank_of(r) for r in (0, 1, 3, 4)] == [0, 1, 2, 3] and world.rank_of(2) is None
+    assert shrinks.world(rnd, world.generation) == world == last.world(world.generation)
+    assert shrinks.world(rnd, world.generation - 1) is None, "an older generation ran the full world"
+    assert first.num_nodes_waiting() == 0 and last.num_nodes_waiting() == 0, "the dropped node was reported later"
+    for h in (first, last):
+        h.shutdown()
+
+
+def test_two_losses_leave_a_newest_world_without_either(etcd: EtcdHandle, run_id: str) -> None:
+    """Two agents record two losses at once: whatever order their generations got, the newest names both."""
+    nodes = _form(etcd, run_id, 4, [1, 1, 1, 1])
+    shrinks = _shrinks(etcd, run_id)
+    rnd = nodes[0]._round[0]
+    ranks = nodes[0].round_ranks()
+    assert ranks is not None
+    out: list = []
+    barrier = threading.Barrier(2)
+
+    def record(lost: EtcdRendezvousHandler) -> None:
+        barrier.wait()
+        out.append(_shrinks(etcd, run_id).record(rnd, lost.this_node, ranks))
+
+    threads = [threading.Thread(target=record, args=(h,)) for h in (nodes[1], nodes[3])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(w is not None for w in out), out
+    newest = shrinks.world(rnd, max(w.generation for w in out))
+    assert newest is not None and newest.survivors == (0, 2), newest
+    assert shrinks.record(rnd, nodes[1].this_node, ranks) is None, "a loss was recorded twice"
+    shrinks.forget_before(rnd + 1)
+    assert shrinks.world(rnd, 1 << 40) is None, "a new round still saw the old round's shrinks"
+    for h in nodes:
+        h.shutdown()
+
+
+def test_below_min_nodes_the_survivors_ask_for_a_new_round(etcd: EtcdHandle, run_id: str) -> None:
+    lost, survivor = _form(etcd, run_id, 2, [1, 1], min_nodes=2)
+    _kill_without_goodbye(lost)
+    start = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - start < 15, "the survivor never reported the lost node"
+        time.sleep(0.1)
+    assert not survivor.shrunk, "a round of 2:2 was shrunk below min_nodes"
+    survivor.shutdown()
