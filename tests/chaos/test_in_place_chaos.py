@@ -19,6 +19,7 @@ from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import signal_worker
 from tests.chaos.cluster import STEPS, Job
 from tests.chaos.test_agent_chaos import (
+    FAULT_STEP,
     ON_TWO,
     WAIT_FOR_REJOIN,
     assert_recovered,
@@ -161,3 +162,50 @@ def test_a_node_lost_for_good_leaves_a_smaller_world_in_place(tmp_path, etcd, ru
         assert before and all(v == reference.summary["losses"][k] for k, v in before.items()), before
     finally:
         job.teardown()
+
+
+def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_place(tmp_path, etcd, run_id):
+    """3 nodes (1:3); the node of rank 1 SIGKILLed for good: the others go on in place as a world of 2, the node that
+    had rank 2 now rank 1. Then that node's worker is SIGKILLed: its agent replaces it alone, with its new rank (the
+    replacement's environment follows the shrink), and the survivors pause in place again. Neither survivor's agent
+    ever restarts its workers, no round forms after the first, and every sample is consumed exactly once."""
+    job = Job(tmp_path, etcd.endpoint, run_id, nnodes="1:3", extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        nodes = [job.start_node(name) for name in "abc"]
+        job.wait_for_step(FAULT_STEP, world_size=3)
+        joins = [e for e in events(job) if e.kind == "join"]
+        rank_of = {e.fields["agent_pid"]: e.fields["global_ranks"]["0"] for e in joins}
+        by_rank = {rank_of[n.pid]: n for n in nodes}
+        first, lost, last = by_rank[0], by_rank[1], by_rank[2]
+        kept = job.wait_workers(first)
+        saved = job.valid_checkpoints()
+        reached = job.max_step()
+        lost.kill()
+        for folder in snapshot_base().glob(f"*-{lost.pid}"):
+            shutil.rmtree(folder)
+        shrunk = job.wait_for_step(reached + 2, world_size=2)
+        victim = job.wait_workers(last)
+        signal_worker(last.pid, signal.SIGKILL)
+        job.wait_for_step(shrunk["step"] + 3, world_size=2, after_seq=shrunk["seq"])
+        assert job.wait_workers(first) == kept, "the first survivor was restarted instead of pausing in place"
+        assert job.wait_workers(last) != victim, "the killed worker was not replaced"
+        assert job.wait([first, last]) == [0, 0], job.logs()
+    finally:
+        job.teardown()
+    evs = events(job)
+    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    shrinks = [e for e in evs if e.kind == "shrink"]
+    assert {e.fields["agent_pid"] for e in shrinks} == {first.pid, last.pid}, dump
+    assert {e.fields["world_size"] for e in shrinks} == {2}, dump
+    renumbered = next(e for e in shrinks if e.fields["agent_pid"] == last.pid)
+    assert renumbered.fields["global_ranks"] == {"0": 1}, renumbered.fields
+    replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
+    assert [e.fields["replaced_ranks"] for e in replaced] == [[1]], dump
+    assert not [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], dump
+    assert sum(1 for e in evs if e.kind == "join") == 3, "a new round formed instead of going on in place"
+    resumed = [e for e in evs if e.kind == "in_place_resumed"]
+    assert len(resumed) == 2 and resumed[0].fields["to_world_size"] == 2, dump
+    assert resumed[0].fields["step"] >= reached - 1, dump
+    start = resumed[0].fields["step"]
+    sizes = {s: 3 if s < start else 2 for s in range(STEPS)}
+    assert_recovered(job, saved, sizes)
