@@ -24,7 +24,13 @@ trial). Each job, once 8 steps trained on 2 nodes and ours' spares are ready:
 2. node SIGKILL (node b's agent and worker, its /dev/shm folder left to the next agent's sweep), at the same
    offset, and node b started again at once (`--rejoin-after`) with the same command, as the chaos tests do. Ours
    waits for it (`--rejoin-wait`, elastic.rejoin_wait_s: the chaos tests' WAIT_FOR_REJOIN), so the job goes on
-   on 2 nodes and can resume from b's snapshots replicated on a; stock re-forms as torch does.
+   on 2 nodes and can resume from b's snapshots replicated on a; stock re-forms as torch does;
+3. or `gone` (it can only come last): node b SIGKILLed for good, never started again. The survivor goes on alone:
+   stock and ours restarting it in a new 1-node round (run it with `--rejoin-wait 0`, or ours waits that long for
+   b), ours-in-place shrinking the running round to a world of 1 inside the survivor's process
+   (elastic.in_place_shrink). Time lost counts until the survivor alone is one step past where the job was (its
+   steps take longer: the global batch is all its own), minus one fault-free 2-node step; `recovery_s` is from the
+   fault to the survivor's first completed step.
 
 Each fault fires half a fault-free step after the group completed its step (`--fault-at`: where a fault at a random
 time lands on average; 0 is the worst case for the snapshot copy, which overlaps the next step). Time lost by a
@@ -241,6 +247,7 @@ def fault(job: ScaleJob, kind: str, bound: float, rejoin_after: float, at: float
     fault-free step later."""
     b = job.node_b()
     fire = arm_worker_signal(b.pid, signal.SIGKILL) if kind == "worker" else arm_node_kill(b.pid)
+    gone = kind == "gone"
     alive: Callable[[], bool] = lambda: any(n.alive() for n in job.nodes)  # noqa: E731
     before, where = at_offset(job.watch, job.ckpt_dir, FAULT_OFFSET, alive, timeout=bound)
     step_s = step_time([c for c in job.watch.snapshot() if c.world == 2])
@@ -248,14 +255,16 @@ def fault(job: ScaleJob, kind: str, bound: float, rejoin_after: float, at: float
     time.sleep(at * step_s)
     fire()
     fired = time.monotonic()
-    if kind == "node":
+    if kind in ("node", "gone"):
         b.kill()  # reaps it, and whatever started after the look-up
+    if kind == "node":
         time.sleep(max(0.0, fired + rejoin_after - time.monotonic()))
         job.start("b")
-    out = {**where, "step_s": round(step_s, 3), **wait_past(job, before.seq, step_s, bound, since=t)}
+    out = {**where, "step_s": round(step_s, 3),
+           **wait_past(job, before.seq, step_s, bound, since=t, world=1 if gone else None)}
     if out["recovered"]:
         out["tier"] = "snapshot" if out["resumed_at_step"] > where["ckpt_step"] else "durable"
-        if out["world"] != 2:  # the survivor went on alone: also when the job is past it on 2 nodes again
+        if out["world"] != 2 and not gone:  # the survivor went on alone: also when the job is past it on 2 nodes again
             on_two = wait_past(job, before.seq, step_s, bound, since=t, world=2)
             out["on_two"] = {k: on_two.get(k) for k in ("recovered", "past_s", "time_lost_s", "steps_recomputed")}
     out["before_seq"] = before.seq
@@ -292,6 +301,7 @@ def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Se
             if not res["recovered"]:
                 break
             if kind != args.faults[-1]:
+                assert kind != "gone", "--faults: gone must come last (node b never comes back)"
                 assert wait_steps(job, res["before_seq"], WARMUP_STEPS, 2, bound), "no 2-node group after the fault"
         # fault-free: the 2-node groups up to the last fault
         upto = max((out[f"{k}_kill"]["before_seq"] for k in args.faults if f"{k}_kill" in out), default=None)
@@ -360,7 +370,7 @@ def main() -> None:
     args.faults = args.faults.split(",")
     args.confs = {"ours": args.ours_conf, "stock": args.stock_conf}
     for bad, allowed, what in ((sizes, SIZES, "--sizes"), (storages, ("local", "s3"), "--storage"),
-                               (configs, CONFIGS, "--configs"), (args.faults, ("worker", "node"), "--faults")):
+                               (configs, CONFIGS, "--configs"), (args.faults, ("worker", "node", "gone"), "--faults")):
         if not set(bad) <= set(allowed):
             p.error(f"{what}: choose from {','.join(allowed)}")
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
