@@ -456,6 +456,18 @@ class ElasticAgent(LocalElasticAgent):
         if overrides:
             self._rank_env = overrides
 
+    def _leave_in_place(self) -> None:
+        """A drain (SIGTERM/SIGINT while the workers train, or `elastictrain drain`): record this node gone from the
+        running round before its workers stop, so that the other nodes' workers, stopped at the same step boundary
+        with the state saved, go on in place as a smaller world (rendezvous/shrink.py) instead of re-forming."""
+        leave = getattr(self._worker_group.spec.rdzv_handler, "leave_in_place", None)
+        world = leave() if leave is not None else None
+        if world is not None:
+            log.warning("leaving the job: the other nodes go on without this one in place, a world of %d "
+                        "(generation %d)", world.size, world.generation)
+            self._emit("shrink", reason="node drained", in_place=True, lost_nodes=list(world.gone),
+                       generation=world.generation, world_size=world.size, recorded_here=True)
+
     def _step_reached(self) -> int | None:
         """The step this node's workers reached (their last beats), on its failure and restart events: the time
         ledger's recomputed steps take the highest over the nodes (the restart record has only the first charging
@@ -542,6 +554,8 @@ class ElasticAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self.in_place_store is not None and self._worker_group.state == WorkerState.HEALTHY:
+            self._leave_in_place()
         # Continue stopped workers so that the graceful signal can reach them before the SIGKILL deadline.
         self._signal_workers(signal.SIGCONT)
         if _TORCH_HAS_SHUTDOWN_TIMEOUT:

@@ -284,6 +284,24 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._shrunk_round = True
         return set(lost)
 
+    def leave_in_place(self) -> World | None:
+        """This node leaves the running round for good (a drain): record it gone, so that the others go on without it
+        in place as a smaller world (shrink.py); None when they cannot (fewer than `min_nodes` would be left, a node
+        waits to join, shrinking is off, or etcd failed): they re-form in a new round as before."""
+        if self._shrinks is None or self._round is None or len(self._round_members) - 1 < self._settings.min_nodes:
+            return None
+        try:
+            if super().num_nodes_waiting() > 0:
+                return None
+            ranks = self.round_ranks()
+            if ranks is None:
+                return None
+            return self._shrinks.record(self._round[0], self.this_node, ranks)
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types; the others re-form as before
+            logger.warning("could not record this node's departure for an in-place shrink (%s); the other nodes "
+                           "re-form in a new round", e)
+            return None
+
     def world(self, generation: int) -> World | None:
         """The running round's world at process-group generation `generation` when it shrank in place, else None."""
         if self._shrinks is None or self._round is None:

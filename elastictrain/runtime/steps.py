@@ -320,14 +320,56 @@ class StepLoop:
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
+        try:
+            generation = in_place.wait_next(beat=lambda: w.heartbeat.beat(failed_step, "paused"),
+                                            stop=lambda: w.stop_flag.requested)
+        except InPlaceFailed:
+            raise
+        self._resume_in_place(generation, failed_step, started, cause)
+
+    def _peer_left(self) -> Optional[int]:
+        """A stop asked by a peer (a drain) whose node left the running round for good, recorded as a smaller world
+        that this rank is part of (rendezvous/shrink.py): that world's generation, to go on in place; else None
+        (the stop stands: save, exit, re-form)."""
+        w = self.worker
+        in_place = w.in_place
+        if (in_place is None or not in_place.settings.shrink or not self.can_rebuild or self._checkpointer is None
+                or not self._guarded or w.control.reform_requested or in_place.generation is None):
+            return None
+        try:
+            newest = in_place.read_generation()
+            world = in_place.world_at(newest) if newest > in_place.generation else None
+        except Exception as e:  # noqa: BLE001 - etcd unreachable: the stop stands, the agents re-form
+            log.warning("could not read whether the stopping peer left in place: %s", e)
+            return None
+        if world is None or world.generation <= in_place.generation or world.rank_of(in_place.round_rank) is None:
+            return None
+        return newest
+
+    def _leave_peer(self, generation: int) -> None:
+        """A peer node drained (its state saved with ours at this step boundary): go on without it, in place."""
+        w, st = self.worker, self.state
+        step, started = st.step, time.monotonic()
+        self._pausing = True
+        log.warning("a peer node left at step %d (a drain): going on without it in place", step)
+        w.heartbeat.beat(step, "paused")
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the stop's save is done: nothing in flight
+            self.checkpointer = None
+        self._resume_in_place(generation, step, started, "a peer node drained")
+
+    def _resume_in_place(self, generation: int, failed_step: int, started: float, cause: str) -> None:
+        """Rebuild the process group of `generation` (a smaller world: the model too) and continue from the newest
+        snapshot every rank holds."""
+        w, st = self.worker, self.state
+        in_place = w.in_place
+        assert in_place is not None and self._checkpointer is not None
         if self.ledger is not None:
             self.ledger.close()
             self.ledger = None
         self._pending = {}
         old, old_world = in_place.generation, w.world_size
         try:
-            generation = in_place.wait_next(beat=lambda: w.heartbeat.beat(failed_step, "paused"),
-                                            stop=lambda: w.stop_flag.requested)
             w.rebuild_group(generation)
             self.checkpointer = self._checkpointer()
             self._start(recovering=True)
@@ -395,6 +437,9 @@ class StepLoop:
             stop = self._pause()
             if stop and self.checkpointer is not None:
                 self.checkpointer.after_step(final=False, stopping=True)
+        if stop and not w.stop_flag.requested and (generation := self._peer_left()) is not None:
+            self._leave_peer(generation)
+            return False
         if stop:
             self.stopped = True
             self.stopped_by_peer = not w.stop_flag.requested

@@ -16,7 +16,7 @@ import pytest
 from elastictrain.agent.jobstate import event_dict
 from elastictrain.agent.ledger import compute
 from elastictrain.agent.snapshots import snapshot_base
-from elastictrain.chaos.process_signals import signal_worker
+from elastictrain.chaos.process_signals import drain_node, signal_worker
 from tests.chaos.cluster import STEPS, Job
 from tests.chaos.test_agent_chaos import (
     FAULT_STEP,
@@ -209,3 +209,36 @@ def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_p
     start = resumed[0].fields["step"]
     sizes = {s: 3 if s < start else 2 for s in range(STEPS)}
     assert_recovered(job, saved, sizes)
+
+
+def test_a_drained_node_leaves_a_smaller_world_in_place(tmp_path, etcd, run_id, reference):
+    """Node b drained (SIGTERM to its agent: a scheduler's preemption, or `elastictrain drain`) in a 1:2 job: its
+    agent records it gone from the running round before its worker stops; both workers stop at the same step boundary
+    with the state saved, b's worker exits, and a's goes on in place as rank 0 of a world of 1 from that very step (no
+    step recomputed, no re-form, no restart). Bitwise where 2 ranks up to that step, then 1, would end."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a, b = start_two(job)
+        survivor = job.wait_workers(a)
+        saved = job.valid_checkpoints()
+        drain_node(b.pid)
+        assert job.wait([b]) == [0], "a drained node exits 0\n" + job.logs()
+        after = job.wait_for_step(job.max_step() + 2, world_size=1)
+        assert after and job.wait_workers(a) == survivor, "the survivor was restarted instead of going on in place"
+        assert job.wait([a]) == [0], job.logs()
+    finally:
+        job.teardown()
+    evs = events(job)
+    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    resumed = [e for e in evs if e.kind == "in_place_resumed"]
+    assert len(resumed) == 1 and resumed[0].fields.get("to_world_size") == 1, dump
+    start = resumed[0].fields["step"]
+    assert start == resumed[0].fields["failed_step"], "a drain saves its step: nothing may be recomputed"
+    assert [e.fields["reason"] for e in evs if e.kind == "shrink" and e.fields.get("recorded_here")] == \
+        ["node drained"], dump
+    assert not [e for e in evs if e.kind in ("restart", "reform")], "the survivor re-formed instead of going on"
+    assert sum(1 for e in evs if e.kind == "join") == 2, "a new round formed instead of shrinking in place"
+    summary = assert_recovered(job, saved, {s: 2 if s < start else 1 for s in range(STEPS)})
+    replay = replay_on_one_rank(job, reference, start, tmp_path / "replay")
+    assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items() if int(k) > start}},
+                            replay)
