@@ -125,24 +125,7 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
             if bar is not None:
                 bar.update(state.step)
         with w.guard():  # elastic.in_place: a peer's failure pauses this process here instead of ending it
-            # Summed token losses / the global batch's count of target tokens (the same at any world size); FSDP
-            # averages gradients over the ranks, which mb.weight undoes. `norm` is that count per micro-batch.
-            targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
-                       else d.global_batch_size * d.seq_len)
-            norm = targets * d.micro_batch_size / d.global_batch_size
-            model, optimizer = state.model, state.optim
-            for mb in sampler.micro_batches():
-                model.set_requires_gradient_sync(mb.last)
-                loss = token_loss(model, source, mb.indices, w.device)
-                (loss * (mb.weight / norm)).backward()
-                # tokens: summed over micro-batches and ranks, the global batch's (the dashboard's tokens/s)
-                w.report(loss=loss.detach() * (mb.fraction / norm), tokens=mb.fraction * tokens_per_step)
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
-            state.extras["scheduler"].step()
-            optimizer.zero_grad(set_to_none=True)
-            del model, optimizer
+            train_step(state, sampler, source, cfg, w, tokens_per_step)
     wall = time.monotonic() - first_step if first_step is not None else 0.0
     if bar is not None:
         bar.close()
@@ -154,6 +137,32 @@ def train(cfg: JobConfig, w: Worker) -> RunSummary:
         tokens_per_s=(tokens_per_step / med) if med else 0.0, step_time_s_median=med, wall_s=wall,
         stopped_early=loop.stopped, stopped_by_peer=loop.stopped_by_peer, param_digest=digests.get("model", ""),
         optim_digest=digests.get("optim", ""), resumed_from=loop.resumed_from, losses=losses)
+
+
+def train_step(state: TrainState, sampler: ElasticSampler | PackedSampler, source: TokenSource | PackedSource,
+               cfg: JobConfig, w: Worker, tokens_per_step: int) -> None:
+    """One optimizer step on this rank's share of the global batch. A function of its own: when a peer's failure
+    ends it early (in place), its frame, the only other holder of the model and optimizer, goes with it, so that a
+    smaller world's `rebuild` does not hold two models at once."""
+    d = cfg.data
+    model, optimizer = state.model, state.optim
+    assert model is not None and optimizer is not None
+    # Summed token losses / the global batch's count of target tokens (the same at any world size); FSDP
+    # averages gradients over the ranks, which mb.weight undoes. `norm` is that count per micro-batch.
+    targets = (max(1, source.targets(sampler.step_sequences())) if isinstance(sampler, PackedSampler)
+               else d.global_batch_size * d.seq_len)
+    norm = targets * d.micro_batch_size / d.global_batch_size
+    for mb in sampler.micro_batches():
+        model.set_requires_gradient_sync(mb.last)
+        loss = token_loss(model, source, mb.indices, w.device)
+        (loss * (mb.weight / norm)).backward()
+        # tokens: summed over micro-batches and ranks, the global batch's (the dashboard's tokens/s)
+        w.report(loss=loss.detach() * (mb.fraction / norm), tokens=mb.fraction * tokens_per_step)
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    optimizer.step()
+    state.extras["scheduler"].step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def token_loss(model: torch.nn.Module, source: TokenSource | PackedSource, indices: list[int],

@@ -314,6 +314,7 @@ class StepLoop:
         failed_step, started = st.step, time.monotonic()
         self._pausing = True
         cause = _short_cause(exc)
+        del exc  # its traceback holds the step's frames, and with them the model: a smaller world builds a new one
         log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
                     cause)
         w.heartbeat.beat(failed_step, "paused")
