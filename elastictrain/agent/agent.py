@@ -447,6 +447,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def _adopt_shrinks(self, worker_group: WorkerGroup) -> None:
         """The round dropped a lost node in place (its handler says so): this node's workers' new ranks."""
+        if not getattr(worker_group.spec.rdzv_handler, "shrunk", None):
+            return  # the usual tick: nothing to read from etcd
         try:
             generation = current_generation(self.in_place_store)
         except Exception as e:  # noqa: BLE001 - etcd blinked: the handler's own record still tells
