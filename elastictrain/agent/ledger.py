@@ -55,7 +55,13 @@ _BOOKKEEPING = {"checkpoint_snapshot_replicated", "checkpoint_snapshot_replica_f
 """Events that come at any time, also while a group recovers (an agent's replica to a peer that just joined, a save
 that failed with the aborted group, a corrupt checkpoint skipped by the load): no sign that training resumed."""
 _NOT_TRAINING = _INTERRUPTS | _LOADS | _ENDS | _BOOKKEEPING | {"join", "leave", "drain", "operator", FAULT_COST_EVENT,
-                                                               CARRIED_EVENT, "in_place_resumed"}
+                                                               CARRIED_EVENT, "in_place_resumed", "shrink"}
+
+
+def _interrupts(e: "_Ev") -> bool:
+    """An event that opens an interruption: a failure, hang, restart or re-form, or the one agent's record of a node
+    that left the round in place (a smaller world: `shrink` with `recorded_here`; the other agents' follow it)."""
+    return e.kind in _INTERRUPTS or (e.kind == "shrink" and bool(e.fields.get("recorded_here")))
 
 
 @dataclass
@@ -158,6 +164,8 @@ class _Gap:
     seen: set[str] = field(default_factory=set)
     """Nodes that reported anything during it."""
     joined: set[str] = field(default_factory=set)
+    back_dated: bool = False
+    """Opened by a late record (a smaller world's `shrink`): the pause reported on resuming says when it began."""
 
 
 def _ev(e: Any) -> _Ev:
@@ -207,6 +215,15 @@ def _open(e: _Ev, members: frozenset[str]) -> _Gap:
         return _Gap(at=float(held), kind="node lost", cause=f"node {e.fields.get('lost_node', '?')} lost; its place "
                     f"taken in place by {e.node}", node=e.node, step_reached=_reached(e), members=members,
                     seen={e.node})
+    if e.kind == "shrink":
+        # Recorded once the lost node's lease expired (a drain: as its agent was stopped); `in_place_resumed`'s
+        # pause dates the gap back to when the survivors stopped training.
+        drained = e.fields.get("reason") == "node drained"
+        lost = ", ".join(map(str, e.fields.get("lost_nodes") or [])) or "?"
+        return _Gap(at=e.time, kind="node drained" if drained else "node lost",
+                    cause=f"node {lost} {'drained' if drained else 'lost'}; the others went on without it in place "
+                          f"(world size {e.fields.get('world_size', '?')})", node=e.node, members=members,
+                    seen={e.node}, back_dated=True)
     return _Gap(at=e.time, kind=_KINDS.get(e.kind, e.kind), cause=_cause(e), node=e.node,
                 detection_s=_detection(e), step_reached=_reached(e), members=members, seen={e.node})
 
@@ -249,9 +266,12 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
                 continue
             if e.kind == "in_place_resumed":
                 cur.in_place_at, cur.loaded_step = e.time, _int(e.fields.get("step"))
+                pause = e.fields.get("pause_s")
+                if cur.back_dated and isinstance(pause, (int, float)) and not isinstance(pause, bool):
+                    cur.at = min(cur.at, e.time - float(pause))
                 cur.step_reached = _max(cur.step_reached, _reached(e))
                 continue
-            if e.kind in _INTERRUPTS:
+            if _interrupts(e):
                 if cur.last_join is None and cur.in_place_at is None:
                     # the same interruption, seen by another node (or its restart after its failure)
                     cur.step_reached = _max(cur.step_reached, _reached(e))
@@ -265,7 +285,7 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
                 _close(cur)  # the group is doing training's business again (a save, a pause, a straggler)
                 cur = None
             continue
-        if e.kind in _INTERRUPTS:
+        if _interrupts(e):
             cur = _open(e, members)
             gaps.append(cur)
     if cur is not None and cur.resumed_at is None and (cur.last_join is not None or cur.in_place_at is not None):

@@ -129,6 +129,35 @@ def test_a_lost_node_replaced_in_place_costs_from_when_its_place_was_held_not_fr
     assert f.restart_s + f.load_s == pytest.approx(5.0) and f.recomputed_steps == 0
 
 
+def test_a_node_lost_for_good_in_place_costs_from_the_survivors_pause_not_from_the_record():
+    """A smaller world in place: no failure or restart event (the lost node's agent died with it); the survivor's
+    agent records the loss once the lease expired, and the worker's resume says how long it paused."""
+    log = [*start(), ev(12.5, "a", "shrink", reason="node lost", in_place=True, lost_nodes=["b"], world_size=1,
+                        recorded_here=True),
+           ev(12.6, "a", "shrink", reason="node lost", in_place=True, lost_nodes=["b"], world_size=1,
+              recorded_here=False),
+           ev(13, "a", "checkpoint_snapshot_loaded", step=9),
+           ev(13.5, "a", "in_place_resumed", failed_step=9, step=9, pause_s=3.5, from_world_size=2, to_world_size=1),
+           saved(15, 12), ev(20, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=16)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert f.kind == "node lost" and f.at == pytest.approx(10.0) and "went on without it in place" in f.cause
+    assert f.restart_s + f.load_s == pytest.approx(3.5) and f.recomputed_steps == 0
+
+
+def test_a_drained_node_in_place_is_one_interruption_of_kind_node_drained():
+    log = [*start(), ev(10, "b", "shrink", reason="node drained", in_place=True, lost_nodes=["b"], world_size=1,
+                        recorded_here=True),
+           ev(10.5, "b", "drain"), ev(11.5, "a", "in_place_resumed", failed_step=9, step=9, pause_s=1.0),
+           ev(12, "a", "shrink", reason="node lost", lost_nodes=["b"], world_size=1, recorded_here=False),
+           saved(15, 12), ev(20, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=16)
+    assert_adds_up(led)
+    (f,) = led.faults
+    assert f.kind == "node drained" and f.at == 10.0 and f.recomputed_steps == 0
+
+
 def test_fault_cost_events_in_the_log_do_not_change_the_ledger():
     log = [*start(), ev(10, "b", "failure", cause="x"), ev(11, "a", "join"), ev(11, "b", "join"),
            ev(12, "a", "checkpoint_loaded", step=0), ev(20, "a", "succeeded")]
