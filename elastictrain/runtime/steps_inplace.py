@@ -1,0 +1,171 @@
+"""The step loop's in-place side (`elastic.in_place`, runtime/inplace.py): pausing on a peer's failure, going on
+without a drained peer, rebuilding the process group (and, in a smaller world, the model) and resuming from the
+newest snapshot. A mixin of `StepLoop` (runtime/steps.py), whose state it uses."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.errors import ConfigError
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed
+from elastictrain.runtime.train_state import TrainState
+
+log = logging.getLogger("elastictrain.runtime.steps")
+
+STUCK_GRACE_S = 10.0
+"""The least time a survivor gets to reach the pause after a peer was replaced (3 step times when longer)."""
+
+
+def _short_cause(exc: Optional[BaseException]) -> str:
+    """gloo's one line without its source location and advice: "Read error [127.0.0.1]:50087: Connection reset by
+    peer"."""
+    text = str(exc).splitlines()[0] if exc is not None and str(exc) else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0][:300]
+
+
+class InPlaceLoop:
+    """What `StepLoop` does in place; see the module doc."""
+
+    worker: Any
+    state: TrainState
+    step_times: list[float]
+    recoveries: int
+    checkpointer: Any
+    ledger: Any
+    _checkpointer: Optional[Callable[[], Any]]
+    _rebuild: Optional[Callable[[], TrainState]]
+    _failure: Optional[BaseException]
+    _guarded: bool
+    _pausing: bool
+    _pending: dict[str, Any]
+
+    def _start(self, recovering: bool = False) -> None: ...
+    def _watch_stragglers(self) -> None: ...
+
+    @property
+    def can_rebuild(self) -> bool:
+        """The script gave `rebuild`: the loop can go on in place in a smaller world."""
+        return self._rebuild is not None
+
+    def rebuild_state(self) -> None:
+        """The world shrank in place: the model, optimizer and scheduler built again on the new mesh (`rebuild`), put
+        into the state; the load from the snapshots that follows fills them."""
+        assert self._rebuild is not None
+        old = self.state.model
+        self.state.model = self.state.optim = None  # the old shards go before the new ones are allocated
+        del old
+        new = self._rebuild()
+        if not isinstance(new, TrainState):
+            raise ConfigError(f"Worker.steps(rebuild=...) returned {type(new).__name__}; return a TrainState with the "
+                              f"model built on w.mesh, its optimizer and scheduler")
+        self.state.adopt(new)
+        self._watch_stragglers()
+
+    def _agree_generation(self, in_place: InPlace) -> None:
+        """Every rank runs in rank 0's generation: the one it joined or rebuilt, or on a first start the counter's."""
+        gen = torch.tensor([in_place.generation if in_place.generation is not None else
+                            (in_place.read_generation() if self.worker.rank == 0 else 0)], dtype=torch.int64)
+        if self.worker.world_size > 1:
+            dist.broadcast(gen, src=0)
+        in_place.generation = int(gen.item())
+
+    def _guarded_loop(self) -> bool:
+        """Whether this loop can pause in place: a checkpoint to continue from (the guard is checked as it is used)."""
+        return self._checkpointer is not None
+
+    def _stuck_grace(self) -> float:
+        """How long a survivor may stay in a collective after a peer was replaced: a step's local compute runs
+        before it reaches the next collective, which is where the peer's death shows."""
+        recent = self.step_times[-20:]
+        return max(STUCK_GRACE_S, 3 * statistics.median(recent)) if recent else STUCK_GRACE_S
+
+    def _recover(self) -> None:
+        """A peer failed in the step just run: drop the step, wait here for its replacement, rebuild the process
+        group, and continue from the newest snapshot every rank holds (runtime/inplace.py)."""
+        w, st = self.worker, self.state
+        exc, self._failure = self._failure, None
+        in_place = w.in_place
+        assert in_place is not None and self._checkpointer is not None
+        failed_step, started = st.step, time.monotonic()
+        self._pausing = True
+        cause = _short_cause(exc)
+        del exc  # its traceback holds the step's frames, and with them the model: a smaller world builds a new one
+        log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
+                    cause)
+        w.heartbeat.beat(failed_step, "paused")
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+        generation = in_place.wait_next(beat=lambda: w.heartbeat.beat(failed_step, "paused"),
+                                        stop=lambda: w.stop_flag.requested)
+        self._resume_in_place(generation, failed_step, started, cause)
+
+    def _peer_left(self) -> Optional[int]:
+        """A stop asked by a peer (a drain) whose node left the running round for good, recorded as a smaller world
+        that this rank is part of (rendezvous/shrink.py): that world's generation, to go on in place; else None
+        (the stop stands: save, exit, re-form)."""
+        w = self.worker
+        in_place = w.in_place
+        if (in_place is None or not in_place.settings.shrink or not self.can_rebuild or self._checkpointer is None
+                or not self._guarded or w.control.reform_requested or in_place.generation is None):
+            return None
+        try:
+            newest = in_place.read_generation()
+            world = in_place.world_at(newest) if newest > in_place.generation else None
+        except Exception as e:  # noqa: BLE001 - etcd unreachable: the stop stands, the agents re-form
+            log.warning("could not read whether the stopping peer left in place: %s", e)
+            return None
+        if world is None or world.generation <= in_place.generation or world.rank_of(in_place.round_rank) is None:
+            return None
+        return newest
+
+    def _leave_peer(self, generation: int) -> None:
+        """A peer node drained (its state saved with ours at this step boundary): go on without it, in place."""
+        w, st = self.worker, self.state
+        step, started = st.step, time.monotonic()
+        self._pausing = True
+        log.warning("a peer node left at step %d (a drain): going on without it in place", step)
+        w.heartbeat.beat(step, "paused")
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # the stop's save is done: nothing in flight
+            self.checkpointer = None
+        self._resume_in_place(generation, step, started, "a peer node drained")
+
+    def _resume_in_place(self, generation: int, failed_step: int, started: float, cause: str) -> None:
+        """Rebuild the process group of `generation` (a smaller world: the model too) and continue from the newest
+        snapshot every rank holds."""
+        w, st = self.worker, self.state
+        in_place = w.in_place
+        assert in_place is not None and self._checkpointer is not None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
+        self._pending = {}
+        old, old_world = in_place.generation, w.world_size
+        try:
+            w.rebuild_group(generation)
+            self.checkpointer = self._checkpointer()
+            self._start(recovering=True)
+        except InPlaceFailed:
+            raise
+        except Exception as e:
+            raise InPlaceFailed(f"rebuilding the process group in place failed: {type(e).__name__}: {e}") from e
+        self.recoveries += 1
+        self._pausing = False
+        pause = time.monotonic() - started
+        if w.is_main:
+            log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)
+            w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
+                              pause_s=round(pause, 3), cause=cause,
+                              **({"from_world_size": old_world, "to_world_size": w.world_size}
+                                 if old_world != w.world_size else {}))
+            if old is not None:
+                in_place.forget(old)
