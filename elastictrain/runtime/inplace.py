@@ -56,6 +56,12 @@ class InPlaceFailed(ElastictrainError):
     """The in-place path could not continue; the worker exits for a restart of every worker instead."""
 
 
+class WorldShrank(InPlaceFailed):
+    """The world shrank in place, and this script cannot build its model on the new mesh (no `rebuild`): the worker
+    exits for a re-form in a new round, free of charge like a drain's (`EXIT_REFORM`): nothing failed, and the state
+    is in the snapshots."""
+
+
 @dataclass(frozen=True)
 class InPlaceSettings:
     """How a worker reaches the run's generations in etcd (the agent's rendezvous settings) and how long it waits."""

@@ -36,7 +36,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import configure_determinism, seed_everything
 from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE, EXIT_REFORM, exit_fatal
 from elastictrain.runtime.heartbeat import MAX_SECTIONS, Heartbeat, section_phase
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, is_peer_failure, rebind_fsdp
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, WorldShrank, is_peer_failure, rebind_fsdp
 from elastictrain.runtime.session import RankInfo, Session
 from elastictrain.runtime.steps import StepHook, StepLoop
 from elastictrain.runtime.train_state import TrainState
@@ -118,6 +118,9 @@ class Worker:
             self._last_barrier()
         in_place = self.in_place is not None
         self.close()
+        if isinstance(exc, WorldShrank):
+            log.warning("%s", exc)
+            raise SystemExit(EXIT_REFORM) from None
         if in_place and exc is not None and (isinstance(exc, InPlaceFailed) or is_peer_failure(exc)):
             # Not replaced in place: tell the agent to restart every worker (it would replace this one alone).
             log.error("%s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -198,9 +201,9 @@ class Worker:
                                     f"generation {generation}; restarting every worker instead")
             size = world.size
             if (rank, size) != (self.rank, self.world_size) and (self.loop is None or not self.loop.can_rebuild):
-                raise InPlaceFailed(f"the world shrank in place to {size} ranks (node(s) {', '.join(world.gone)} "
-                                    f"left), but the script gave Worker.steps no `rebuild` to build its model on the "
-                                    f"new mesh; restarting every worker instead")
+                raise WorldShrank(f"the world shrank in place to {size} ranks (node(s) {', '.join(world.gone)} "
+                                  f"left), but the script gave Worker.steps no `rebuild` to build its model on the "
+                                  f"new mesh; re-forming in a new round instead")
         if session.rebuild(generation, rank, size):
             assert self.loop is not None
             log.warning("the world shrank in place to %d ranks: now rank %d; building the model on the new mesh",

@@ -112,3 +112,24 @@ def test_a_survivor_stuck_in_a_collective_after_a_replacement_exits_for_a_restar
             watch.stop()
         stuck.close()
         paused.close()
+
+
+def test_with_shrink_a_node_that_leaves_is_waited_for_until_the_agents_record_a_smaller_world(etcd, run_id,
+                                                                                           agent_side):
+    """`elastic.in_place_shrink`: a node that leaves does not end the wait; the survivors' agents drop it from the
+    round (rendezvous/shrink.py) and the survivor reads its new place in the smaller world."""
+    from elastictrain.rendezvous.shrink import Shrinks
+
+    client, prefix = agent_side
+    worker = InPlace(InPlaceSettings(etcd.endpoint, run_id, {}, 30.0, 0.0, shrink=True), rank=1, world_size=3)
+    worker.round, worker.round_rank = 4, 2
+    worker.generation = worker.read_generation()
+    client.delete(f"{prefix}/nodes/b")
+    _later(1.0, lambda: Shrinks(client, prefix).record(4, "b", {"a": [0], "b": [1], "c": [2]}))
+    try:
+        generation = worker.wait_next(beat=lambda: None, stop=lambda: False)
+        world = worker.world_at(generation)
+        assert world is not None and world.size == 2 and world.rank_of(worker.round_rank) == 1, world
+        assert worker.world_at(generation - 1) is None, "the generation before the shrink ran the full world"
+    finally:
+        worker.close()

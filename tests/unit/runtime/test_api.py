@@ -363,3 +363,15 @@ def test_a_restartable_error_leaves_the_block_as_itself():
     with pytest.raises(StorageUnreachableError):
         with et.Worker(seed=0):
             raise StorageUnreachableError("s3 endpoint down")
+
+
+def test_a_world_that_shrank_for_a_script_without_rebuild_exits_for_a_free_re_form():
+    """The in-place path found the world smaller and no `rebuild`: the worker leaves for a re-form in a new round
+    (the agent charges no restart for it, as for a drain), not as a failure of the in-place path."""
+    from elastictrain.runtime.exitcodes import EXIT_REFORM
+    from elastictrain.runtime.inplace import WorldShrank
+
+    with pytest.raises(SystemExit) as leaving:
+        with et.Worker(seed=0):
+            raise WorldShrank("the world shrank in place to 1 ranks")
+    assert leaving.value.code == EXIT_REFORM
