@@ -39,21 +39,29 @@ def main() -> None:
 
     with et.Worker(seed=0) as w:
         data = make_dataset(4096, a.dim)
-        model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.hidden), torch.nn.GELU(),
-                                    torch.nn.Linear(a.hidden, a.hidden), torch.nn.GELU(),
-                                    torch.nn.Linear(a.hidden, 1)).to(w.device)
-        for layer in model[::2]:
-            fully_shard(layer, mesh=w.mesh)
-        fully_shard(model, mesh=w.mesh)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=a.steps)
+
+        def build() -> et.TrainState:
+            """Model, optimizer and scheduler on `w.mesh`: at the start, and again on a smaller world's mesh when a
+            node is lost for good under `elastictrain run` with elastic.in_place (`rebuild` below)."""
+            model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(a.hidden, a.hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(a.hidden, 1)).to(w.device)
+            for layer in model[::2]:
+                fully_shard(layer, mesh=w.mesh)
+            fully_shard(model, mesh=w.mesh)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            return et.TrainState(model=model, optim=optim,
+                                 scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=a.steps))
+
         sampler = et.ElasticSampler(len(data), global_batch_size=a.global_batch, micro_batch_size=a.micro_batch)
-        state = et.TrainState(model=model, optim=optim, scheduler=sched, data=sampler)
+        state = build()
+        state.extras["data"] = sampler
 
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
-                         fingerprint={"dim": a.dim, "hidden": a.hidden}, **options):
+                         fingerprint={"dim": a.dim, "hidden": a.hidden}, rebuild=build, **options):
             with w.guard():  # with elastic.in_place, a peer's failure pauses this process instead of ending it
+                model, optim = state.model, state.optim  # the state's: a smaller world in place replaces them
                 for mb in sampler.micro_batches():
                     x, y = (t.to(w.device) for t in data[mb.indices])
                     model.set_requires_gradient_sync(mb.last)
@@ -61,8 +69,9 @@ def main() -> None:
                     (loss * mb.weight).backward()
                     w.report(loss=loss.detach() * mb.fraction)
                 optim.step()
-                sched.step()
+                state.extras["scheduler"].step()
                 optim.zero_grad()
+                del model, optim
 
         digest = state.digest()
         if w.is_main and a.out:
