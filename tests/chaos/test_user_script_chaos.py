@@ -135,10 +135,27 @@ def test_worker_faults_then_a_node_sigkill_restart_the_script_and_it_ends_bitwis
     assert any(str(stopped) in e.fields["cause"] and "stopped" in e.fields["cause"] for e in hangs), hangs
 
 
-def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_once(job):
+@pytest.mark.parametrize("in_place", [False, True], ids=["re-form", "in-place"])
+def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_once(tmp_path, etcd, run_id,
+                                                                                    in_place):
+    """A drain re-forms the other node's group alone; with elastic.in_place the other node's worker goes on in place
+    instead, its model built again on the smaller world's mesh by the script's own `rebuild`."""
+    job = ScriptJob(tmp_path, etcd.endpoint, run_id, steps=STEPS,
+                    extra_overrides=("elastic.in_place=true",) if in_place else ())
+    try:
+        _drain_and_finish(job, in_place)
+    finally:
+        job.teardown()
+
+
+def _drain_and_finish(job: ScriptJob, in_place: bool) -> None:
     a, b = start_two(job)
+    kept = job.wait_workers(a)
     drain_node(b.pid)
     assert job.wait([b]) == [0], "a drained node exits 0\n" + job.logs()
+    if in_place:
+        job.wait_for_step(job.max_step() + 2, world_size=1)
+        assert job.wait_workers(a) == kept, "the other node's worker was restarted instead of going on in place"
     assert job.wait([a]) == [0], job.logs()
     ran = {s: c["world_size"] for s, c in job.committed().items()}
     alone = min((s for s, w in ran.items() if w == 1), default=STEPS)
@@ -149,3 +166,7 @@ def test_drained_node_leaves_and_the_other_finishes_alone_consuming_each_sample_
     used, events = restarts_and_events(job.endpoint, job.run_id)
     assert "drain" in [e.kind for e in events]
     assert used == 0, "a drain must not spend the restart budget"
+    if in_place:
+        assert [e.fields["reason"] for e in events if e.kind == "shrink" and e.fields.get("recorded_here")] == \
+            ["node drained"], [(e.kind, e.fields) for e in events]
+        assert not [e for e in events if e.kind in ("reform", "restart")], "the group re-formed instead"
