@@ -323,10 +323,16 @@ class ElasticAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         if hasattr(handler, "local_world_size"):
             handler.local_world_size = worker_group.spec.local_world_size
+            handler.workers_paused = self._workers_paused
         try:
             os.environ[ENV_ROUND] = str(rdzv_round(worker_group))
         except AgentError:  # not our rendezvous: no shrinks either
             os.environ.pop(ENV_ROUND, None)
+
+    def _workers_paused(self) -> bool:
+        """Every local worker pauses in place (its collectives failed): the evidence that a lost peer died."""
+        workers = list(self._health.workers.values())
+        return bool(workers) and all(w.phase == "paused" for w in workers)
 
     def _join_generation(self, worker_group: WorkerGroup) -> int | None:
         """The process-group generation this node's workers start in after taking a lost node's place: a new one,

@@ -32,6 +32,7 @@ import os
 import pickle
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
@@ -58,6 +59,9 @@ from elastictrain.rendezvous.vacancy import Vacancies, Vacancy, local_world_size
 
 logger = logging.getLogger(__name__)
 
+_DOUBT_S = 5.0
+"""How long a member that lost its lease is doubted before it is reported lost when nothing shows that it died (no
+pause of this node's workers): time for a starved agent to register again (shrink.py)."""
 _OFFER_GRACE_S = 5.0
 """Beyond the lease's TTL: how long a node started into a full running round waits for a lost node's place."""
 
@@ -105,6 +109,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self.shrunk: list[tuple[str, World | None]] = []
         """Lost nodes this round shrank around, for the agent: (node, the world this agent recorded or None)."""
         self._shrunk_round = False
+        self.workers_paused: Callable[[], bool] | None = None
+        """Set by the agent: whether every local worker pauses in place (its collectives failed: a peer died)."""
+        self._doubted: dict[str, float] = {}
+        """Lost members not yet dropped in place (node id -> monotonic deadline): no evidence yet that they died."""
         store.abandoned = self._round_over
 
     @property
@@ -243,8 +251,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         lost = self._liveness.lost(self._round_members - set(self._held))
         if self._vacancies is not None and (lost or self._held):
             lost = {n for n in lost if not self._hold(n)} | self._settle_held(now)
-        if lost and self._shrinks is not None and waiting == 0:
-            lost -= self._shrink(lost)
+        if self._shrinks is not None and (lost or self._doubted):
+            lost = self._shrink(lost, waiting, now)
         if lost:
             logger.warning("lost node(s) %s of the current round; asking for a new round", sorted(lost))
             self._round_members -= lost
@@ -264,25 +272,54 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             sizes[rank] = size
         return round_ranks(ranks, sizes)
 
-    def _shrink(self, lost: set[str]) -> set[str]:
-        """Drop `lost` from the running round in place (shrink.py); the nodes it did that for (none: a new round)."""
+    def _shrink(self, lost: set[str], waiting: int, now: float) -> set[str]:
+        """Drop lost members from the running round in place (shrink.py); returns those to report (a new round).
+
+        A member is dropped only on evidence that it is gone: it left in place itself (a drain), or every worker of
+        this node pauses in place (their collectives with it failed). A lease alone can lapse on a live node (an
+        agent starved of CPU for `lease_ttl`: seen at 150M on 2 cores), and dropping a node whose workers run on
+        would split the job. So a member without evidence is doubted for a while (`_DOUBT_S`, re-judged each tick,
+        not reported); one that registers again meanwhile, or is still doubted at the end, is reported as before
+        (its record left the round's state: a new round)."""
         assert self._shrinks is not None
-        if self._round is None or len(self._round_members - lost) < self._settings.min_nodes:
-            return set()
+        alive = self._liveness.alive_nodes()
+        back = {n for n in self._doubted if n in alive}
+        for node in back:
+            del self._doubted[node]
+            logger.warning("node %s is back (its etcd lease had lapsed); asking for a new round", node)
+        if not lost:
+            return back
+        report = set(lost) | back
+        if self._round is None or waiting > 0 or len(self._round_members - lost) < self._settings.min_nodes:
+            return report
         try:
+            left = self._shrinks.gone(self._round[0])
+            paused = self.workers_paused is not None and self.workers_paused()
+            drop = {n for n in lost if n in left or paused}
+            for node in lost - drop:
+                deadline = self._doubted.setdefault(node, now + max(_DOUBT_S, self._client.settings.lease_ttl))
+                if now < deadline:
+                    report.discard(node)
+                else:
+                    del self._doubted[node]
+                    logger.warning("node %s lost its lease, but this node's workers did not pause: not dropping it "
+                                   "in place", node)
+            if not drop:
+                return report
             ranks = self.round_ranks()
             if ranks is None:
-                return set()
-            for node in sorted(lost):
+                return report
+            for node in sorted(drop):
+                self._doubted.pop(node, None)
                 self.shrunk.append((node, self._shrinks.record(self._round[0], node, ranks)))
         except Exception as e:  # noqa: BLE001 - etcd errors come in several types; a new round still works
             logger.warning("could not shrink the round in place around lost node(s) %s (%s); asking for a new round",
                            sorted(lost), e)
-            return set()
-        logger.warning("lost node(s) %s of the current round: the round goes on without them, in place", sorted(lost))
-        self._round_members -= lost
+            return report
+        logger.warning("lost node(s) %s of the current round: the round goes on without them, in place", sorted(drop))
+        self._round_members -= drop
         self._shrunk_round = True
-        return set(lost)
+        return report - drop
 
     def leave_in_place(self) -> World | None:
         """This node leaves the running round for good (a drain): record it gone, so that the others go on without it

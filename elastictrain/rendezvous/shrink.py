@@ -6,7 +6,7 @@ a member's etcd lease expire (and no place held for it, or its held place expire
 round while the round keeps at least `min_nodes` members and no node waits to join. Instead the first agent to do so
 records the loss in one etcd transaction (`<run>/inplace/shrink/<round>/gone/<node>`, created only if absent: one
 writer per lost node), starts a new process-group generation and writes the world of that generation beside it
-(`.../shrink/<round>/g<N>`): the **round ranks** that survive. A worker's round rank is the global rank it got when
+(`.../shrink/<round>/world/<N>`): the **round ranks** that survive. A worker's round rank is the global rank it got when
 its round formed (`ENV_ROUND_RANK` for a replacement started later); its new rank is its index among the survivors.
 
 The world of a generation is computed from every `gone/` key of the round, read after the counter moved: the newest
@@ -83,8 +83,10 @@ class Shrinks:
         generation = int(self._generations.add("gen", 1))
         gone = tuple(sorted(self.gone(round_number)))
         survivors = tuple(sorted(r for node, rs in ranks.items() if node not in gone for r in rs))
+        if not survivors:  # cannot be while the recording agent is alive; never leave an empty world to join
+            return None
         world = World(generation, survivors, gone)
-        self.client.put(f"{self._round(round_number)}/g{generation}",
+        self.client.put(f"{self._round(round_number)}/world/{generation}",
                         json.dumps({"survivors": list(survivors), "gone": list(gone)}).encode())
         log.warning("node(s) %s left round %d: its %d surviving ranks continue in place as a smaller world "
                     "(generation %d)", ", ".join(gone), round_number, len(survivors), generation)
@@ -97,7 +99,7 @@ class Shrinks:
     def world(self, round_number: int, generation: int) -> Optional[World]:
         """The world of round `round_number` at `generation`: its newest shrink at or before it; None when the
         round has not shrunk by then."""
-        prefix = f"{self._round(round_number)}/g"
+        prefix = f"{self._round(round_number)}/world/"
         best: Optional[World] = None
         for key, raw in self.client.get_prefix(prefix).items():
             try:

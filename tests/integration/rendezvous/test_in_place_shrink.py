@@ -23,6 +23,8 @@ def _form(etcd: EtcdHandle, run_id: str, n: int, sizes: list[int], min_nodes: in
     it in the round's store)."""
     handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, min_nodes, n, in_place_shrink=shrink))
                 for _ in range(n)]
+    for h in handlers:  # what a survivor's agent sees when a peer dies: its workers' collectives fail, they pause
+        h.workers_paused = lambda: True
     infos = _rendezvous_all(handlers)
     by_rank = sorted(zip(handlers, infos), key=lambda hi: hi[1].rank)
     for (_, info), size in zip(by_rank, sizes):
@@ -118,4 +120,39 @@ def test_below_min_nodes_the_survivors_ask_for_a_new_round(etcd: EtcdHandle, run
         assert time.monotonic() - start < 15, "the survivor never reported the lost node"
         time.sleep(0.1)
     assert not survivor.shrunk, "a round of 2:2 was shrunk below min_nodes"
+    survivor.shutdown()
+
+
+def test_a_lost_lease_without_paused_workers_is_doubted_then_reported_not_dropped(etcd: EtcdHandle,
+                                                                                 run_id: str) -> None:
+    """A lease can lapse on a live node (its agent starved of CPU): while this node's workers train on (no pause),
+    the loss is not acted on in place; it is reported (a new round, as without shrinking) only after the doubt."""
+    lost, survivor = _form(etcd, run_id, 2, [1, 1])
+    training = [True]
+    survivor.workers_paused = lambda: not training[0]
+    _kill_without_goodbye(lost)
+    start = time.monotonic()
+    while time.monotonic() - start < 3.5:  # the lease (2 s) expires, and the survivor still doubts
+        assert survivor.num_nodes_waiting() == 0, "a lapsed lease was acted on at once"
+        time.sleep(0.1)
+    assert not survivor.shrunk, "a node whose peers' workers still train was dropped in place"
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - start < 15, "the doubted node was never reported"
+        time.sleep(0.1)
+    assert not survivor.shrunk
+    survivor.shutdown()
+
+
+def test_a_doubted_node_is_dropped_once_this_nodes_workers_pause(etcd: EtcdHandle, run_id: str) -> None:
+    lost, survivor = _form(etcd, run_id, 2, [1, 1])
+    training = [True]
+    survivor.workers_paused = lambda: not training[0]
+    _kill_without_goodbye(lost)
+    start = time.monotonic()
+    while not survivor._doubted:
+        assert survivor.num_nodes_waiting() == 0 and time.monotonic() - start < 10, "the loss was never seen"
+        time.sleep(0.1)
+    training[0] = False  # the collective with it failed: the workers pause in place
+    _until_dropped(survivor)
+    assert [n for n, _ in survivor.shrunk] == [lost.this_node]
     survivor.shutdown()
