@@ -561,6 +561,20 @@ class ElasticAgent(LocalElasticAgent):
             self._pending_hang = []
         super()._stop_workers(worker_group)
 
+    def _exit_barrier(self) -> None:
+        # After a smaller world in place, the round's nodes that left it never reach the barrier: count them out
+        # (seen: a survivor that finished right after a peer's drain waited out the barrier's 300 s for it).
+        members_left = getattr(self._worker_group.spec.rdzv_handler, "members_left", None)
+        if self.in_place_store is not None and members_left is not None:
+            try:
+                left = members_left()
+            except Exception as e:  # noqa: BLE001 - etcd errors come in several types: wait for every member
+                log.debug("could not read the round's in-place departures: %s", e)
+                left = None
+            if left is not None and 0 < left < self._worker_group.group_world_size:
+                self._worker_group.group_world_size = left
+        super()._exit_barrier()
+
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         if self.in_place_store is not None and self._worker_group.state == WorkerState.HEALTHY:
             self._leave_in_place()

@@ -339,6 +339,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                            "re-form in a new round", e)
             return None
 
+    def members_left(self) -> int | None:
+        """How many members of the running round have not left it in place (shrink.py); None when not known. The
+        agents' exit barrier waits for these only: a drained or lost node never reaches it."""
+        if self._shrinks is None or self._round is None:
+            return None
+        return len(set(self._round[1]) - self._shrinks.gone(self._round[0]))
+
     def world(self, generation: int) -> World | None:
         """The running round's world at process-group generation `generation` when it shrank in place, else None."""
         if self._shrinks is None or self._round is None:
