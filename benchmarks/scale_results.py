@@ -7,7 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-FAULTS = ("worker_kill", "node_kill")
+FAULTS = ("worker_kill", "node_kill", "gone_kill")
+"""`gone_kill`: node b lost for good (scale.py --faults ...,gone)."""
 
 
 def _median(xs: list) -> Optional[float]:
@@ -93,6 +94,18 @@ def targets(summary: dict, runs: list[dict], sizes: dict[str, dict]) -> dict:
                                                              cell["time_lost_s_median"])}
         if per_size:
             out[f"{st}:worker_kill:in_place"] = per_size
+        # Issue #15: a node lost for good (`gone`): the survivor alone, in place vs restarted; recovery_s runs to
+        # the survivor's first completed step (so it includes one step of its own, on 1 rank).
+        gone = {}
+        for s in ordered:
+            cells = summary.get(s, {}).get(st, {}).get("gone_kill", {})
+            if "ours-in-place" in cells:
+                gone[s] = {c: {"recovery_s": v["recovery_s_median"], "time_lost_s": v["time_lost_s_median"]}
+                           for c, v in cells.items()}
+                gone[s]["stock_over_in_place"] = _ratio(lost.get((s, st, "gone_kill", "stock")),
+                                                        lost.get((s, st, "gone_kill", "ours-in-place")))
+        if gone:
+            out[f"{st}:gone_kill:in_place"] = gone
     cost = snapshot_cost(runs).get(large, {})
     for st, c in cost.items():
         out[f"{st}:snapshot_cost_at_largest"] = {"ratio": c["ratio_median"],
@@ -119,7 +132,7 @@ def plot(result: dict, path: Path) -> None:
 
     sizes, summary = result["meta"]["sizes"], result["summary"]
     storages = result["meta"]["settings"]["storage"]
-    faults = [f for f in ("worker_kill", "node_kill") if any(f in b for a in summary.values() for b in a.values())]
+    faults = [f for f in FAULTS if any(f in b for a in summary.values() for b in a.values())]
     fig, axes = plt.subplots(len(faults), len(storages), figsize=(max(6 * len(storages), 9), 4.4 * len(faults)),
                              squeeze=False)
     colors = {"stock": "tab:orange", "ours-durable": "tab:blue", "ours-snapshot": "tab:green",
@@ -149,7 +162,8 @@ def plot(result: dict, path: Path) -> None:
             ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
             ax.set_xticks([sizes[s]["train_state_bytes"] for s in summary],
                           [f"{s}\n{_mb(sizes[s]['train_state_bytes'])}" for s in summary], fontsize=8)
-            ax.set_title(f"{f.replace('_', ' ')}, durable tier on {st}", fontsize=10)
+            title = "node lost for good (the survivor goes on alone)" if f == "gone_kill" else f.replace("_", " ")
+            ax.set_title(f"{title}, durable tier on {st}", fontsize=10)
             ax.set_xlabel("train-state bytes (fp32 params + Adam moments)")
             ax.set_ylabel("time lost per fault (s)")
             ax.grid(alpha=0.3, which="both")
