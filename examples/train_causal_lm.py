@@ -64,19 +64,28 @@ def main() -> None:
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
                              num_hidden_layers=a.layers, num_attention_heads=2, num_key_value_heads=2,
                              max_position_embeddings=a.seq_len)
-        model = LlamaForCausalLM(config).to(w.device)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=w.mesh)
-        fully_shard(model, mesh=w.mesh)
-        optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=a.steps)
-        sampler = et.ElasticSampler(len(data), global_batch_size=a.global_batch, micro_batch_size=a.micro_batch)
-        state = et.TrainState(model=model, optim=optim, scheduler=sched, data=sampler)
+
+        def build() -> et.TrainState:
+            """Model, optimizer and scheduler on `w.mesh`: at the start, and again on a smaller world's mesh when a
+            node is lost for good under `elastictrain run` with elastic.in_place (`rebuild` below)."""
+            model = LlamaForCausalLM(config).to(w.device)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=w.mesh)
+            fully_shard(model, mesh=w.mesh)
+            optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            return et.TrainState(model=model, optim=optim,
+                                 scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=a.steps))
+
+        state = build()
+        sampler = state.extras["data"] = et.ElasticSampler(len(data), global_batch_size=a.global_batch,
+                                                           micro_batch_size=a.micro_batch)
 
         options = {"every_steps": a.every} if a.checkpoint else {}
         for _ in w.steps(a.steps, state, checkpoint=a.checkpoint, audit_dir=a.audit_dir, log_every=50,
-                         fingerprint={"seq_len": a.seq_len, "hidden": a.hidden, "layers": a.layers}, **options):
+                         fingerprint={"seq_len": a.seq_len, "hidden": a.hidden, "layers": a.layers},
+                         rebuild=build, **options):
             with w.guard():  # with elastic.in_place, a peer's failure pauses this process instead of ending it
+                model, optim = state.model, state.optim  # the state's: a smaller world in place replaces them
                 for mb in sampler.micro_batches():
                     tokens = torch.stack([data[i] for i in mb.indices]).to(w.device)
                     model.set_requires_gradient_sync(mb.last)
@@ -85,8 +94,9 @@ def main() -> None:
                     (loss * mb.weight).backward()
                     w.report(loss=loss.detach() * mb.fraction)
                 optim.step()
-                sched.step()
+                state.extras["scheduler"].step()
                 optim.zero_grad()
+                del model, optim
 
         digest = state.digest()
         if w.is_main and a.out:
