@@ -84,6 +84,17 @@ class WorkerControl:
     def _ring(self, signum: int, frame: Any) -> None:
         self._rang = True
 
+    def close(self) -> None:
+        """Stop listening; a doorbell that comes later is ignored. The agent rings a worker once after its first
+        heartbeat, which for a short run can be as the process exits, and the interpreter's finalization puts
+        SIGUSR1's default action back: it killed workers that had finished and saved (exit -10, after which the
+        agents restarted the group at its end). An ignored signal stays ignored through finalization."""
+        if self.path and signal.getsignal(DOORBELL) == self._ring:
+            try:
+                signal.signal(DOORBELL, signal.SIG_IGN)
+            except ValueError:  # not the main thread: the handler stays, and so does the risk
+                log.debug("could not ignore the doorbell from this thread")
+
     def poll(self) -> None:
         if self._rang and self.path:
             self._rang = False

@@ -103,6 +103,7 @@ class Worker:
         # at exit, and a restart or re-form waits for the exit): they live until the process ends anyway.
         gc.freeze()
         self.stop_flag.uninstall()
+        self.control.close()
         if self.session is not None:
             self.session.close()
             self.session = None

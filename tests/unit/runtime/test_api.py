@@ -375,3 +375,24 @@ def test_a_world_that_shrank_for_a_script_without_rebuild_exits_for_a_free_re_fo
         with et.Worker(seed=0):
             raise WorldShrank("the world shrank in place to 1 ranks")
     assert leaving.value.code == EXIT_REFORM
+
+
+def test_a_doorbell_after_the_worker_block_is_ignored_not_fatal(tmp_path, monkeypatch):
+    """The agent rings a worker once after its first heartbeat; for a short run that can be as the process exits,
+    where the interpreter puts SIGUSR1's default action (death) back. After the block, the doorbell is ignored."""
+    import os
+    import signal
+
+    from elastictrain.runtime.control import DOORBELL, ENV_CONTROL_FILE, ControlState
+
+    path = tmp_path / "control.json"
+    ControlState().write(str(path))
+    monkeypatch.setenv(ENV_CONTROL_FILE, str(path))
+    before = signal.getsignal(DOORBELL)
+    try:
+        with et.Worker(seed=0):
+            assert callable(signal.getsignal(DOORBELL))
+        assert signal.getsignal(DOORBELL) == signal.SIG_IGN
+        os.kill(os.getpid(), DOORBELL)  # would end this test process with the default action
+    finally:
+        signal.signal(DOORBELL, before)
