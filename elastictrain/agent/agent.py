@@ -54,7 +54,7 @@ from elastictrain.runtime.heartbeat import (
     decode,
     section_phase,
 )
-from elastictrain.runtime.inplace import ENV_GENERATION, current_generation, next_generation
+from elastictrain.runtime.inplace import ENV_GENERATION, next_generation
 
 log = logging.getLogger(__name__)
 
@@ -455,12 +455,7 @@ class ElasticAgent(LocalElasticAgent):
         """The round dropped a lost node in place (its handler says so): this node's workers' new ranks."""
         if not getattr(worker_group.spec.rdzv_handler, "shrunk", None):
             return  # the usual tick: nothing to read from etcd
-        try:
-            generation = current_generation(self.in_place_store)
-        except Exception as e:  # noqa: BLE001 - etcd blinked: the handler's own record still tells
-            log.debug("could not read the process-group generation: %s", e)
-            generation = 1 << 62
-        overrides = adopt_shrinks(worker_group, self._round_ranks, generation, self._emit)
+        overrides = adopt_shrinks(worker_group, self._round_ranks, self._emit)
         if overrides:
             self._rank_env = overrides
 

@@ -14,7 +14,7 @@ from elastictrain.rendezvous.shrink import ENV_ROUND_RANK, World
 log = logging.getLogger(__name__)
 
 
-def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int], generation: int,
+def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int],
                   emit: Callable[..., None]) -> dict[int, dict[str, str]]:
     """Apply the round's shrinks the rendezvous handler recorded since the last call (none: {}). `round_ranks`:
     each local rank's global rank when the round formed. Returns each local rank's environment overrides for a
@@ -28,7 +28,7 @@ def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int], genera
     shrunk.clear()
     world: World | None = max(recorded, key=lambda w: w.generation) if recorded else None
     try:
-        newest = handler.world(generation)
+        newest = handler.world()  # the round's newest shrink (another agent may have recorded a later one)
         if newest is not None and (world is None or newest.generation > world.generation):
             world = newest
     except Exception as e:  # noqa: BLE001 - etcd blinked: the record this agent wrote (if any) still tells

@@ -346,7 +346,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return None
         return len(set(self._round[1]) - self._shrinks.gone(self._round[0]))
 
-    def world(self, generation: int) -> World | None:
+    def world(self, generation: int | None = None) -> World | None:
         """The running round's world at process-group generation `generation` when it shrank in place, else None."""
         if self._shrinks is None or self._round is None:
             return None

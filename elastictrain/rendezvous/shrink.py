@@ -96,9 +96,9 @@ class Shrinks:
         prefix = f"{self._round(round_number)}/gone/"
         return {k.removeprefix(prefix) for k in self.client.get_prefix(prefix)}
 
-    def world(self, round_number: int, generation: int) -> Optional[World]:
-        """The world of round `round_number` at `generation`: its newest shrink at or before it; None when the
-        round has not shrunk by then."""
+    def world(self, round_number: int, generation: Optional[int] = None) -> Optional[World]:
+        """The world of round `round_number` at `generation` (None: now): its newest shrink at or before it; None
+        when the round has not shrunk by then."""
         prefix = f"{self._round(round_number)}/world/"
         best: Optional[World] = None
         for key, raw in self.client.get_prefix(prefix).items():
@@ -108,7 +108,7 @@ class Shrinks:
             except (ValueError, TypeError) as e:
                 log.warning("ignoring an unreadable in-place shrink record %s: %s", key, e)
                 continue
-            if number <= generation and (best is None or number > best.generation):
+            if (generation is None or number <= generation) and (best is None or number > best.generation):
                 best = World(number, tuple(int(r) for r in data["survivors"]),
                              tuple(str(n) for n in data.get("gone", ())))
         return best
