@@ -39,7 +39,7 @@ from elastictrain.agent.budget import (
     fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
-from elastictrain.agent.shrink import adopt_shrinks
+from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, renumber
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
@@ -290,7 +290,10 @@ class ElasticAgent(LocalElasticAgent):
         took_over = getattr(worker_group.spec.rdzv_handler, "took_over", None) if self.in_place_store else None
         if self.in_place_store is not None:  # the round names the workers' places in a later smaller world
             self._tell_round(worker_group)
-        generation = self._join_generation(worker_group) if took_over is not None else None
+        grow = getattr(worker_group.spec.rdzv_handler, "grow_world", None) if took_over is not None else None
+        # A grow (a shrunk round's open place) recorded its generation with its world; a held place starts one.
+        generation = grow.generation if grow is not None else \
+            self._join_generation(worker_group) if took_over is not None else None
         if generation is not None:  # every local worker replaces one of the lost node's
             os.environ[ENV_GENERATION] = str(generation)
         try:
@@ -302,6 +305,8 @@ class ElasticAgent(LocalElasticAgent):
         self._hang_deferred = None
         self._round_ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self._rank_env = {}
+        if grow is not None:  # started with their round ranks; each finds its rank in the bigger world itself
+            self._rank_env = renumber(worker_group, self._round_ranks, grow)
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         self._health.reset(pids, self._clock(), world_size=world)
         if world in self.peer_step_times:
@@ -309,7 +314,15 @@ class ElasticAgent(LocalElasticAgent):
         if self._warm is not None:
             log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
                      self._warm.cold)
-        if generation is not None:
+        if grow is not None:
+            ranks = sorted(w.global_rank for w in worker_group.workers)
+            log.warning("took lost node %s's place in the shrunk round in place: ranks %s of %d (generation %d)",
+                        took_over.lost, ", ".join(map(str, ranks)), grow.size, grow.generation)
+            self._emit("grow", reason="node joined", in_place=True, joined_nodes=[self._node_id()],
+                       places_of=[took_over.lost], generation=grow.generation, world_size=grow.size,
+                       from_world_size=grow.size - len(grow.joined), pids=dict(pids),
+                       global_ranks={w.local_rank: w.global_rank for w in worker_group.workers}, recorded_here=True)
+        elif generation is not None:
             ranks = sorted(w.global_rank for w in worker_group.workers)
             log.warning("took over lost node %s's ranks %s in place (generation %d)", took_over.lost,
                         ", ".join(map(str, ranks)), generation)
@@ -453,7 +466,12 @@ class ElasticAgent(LocalElasticAgent):
 
     def _adopt_shrinks(self, worker_group: WorkerGroup) -> None:
         """The round dropped a lost node in place (its handler says so): this node's workers' new ranks."""
-        if not getattr(worker_group.spec.rdzv_handler, "shrunk", None):
+        handler = worker_group.spec.rdzv_handler
+        if getattr(handler, "grown", None):
+            overrides = adopt_grows(worker_group, self._round_ranks, self._emit)
+            if overrides:
+                self._rank_env = overrides
+        if not getattr(handler, "shrunk", None):
             return  # the usual tick: nothing to read from etcd
         overrides = adopt_shrinks(worker_group, self._round_ranks, self._emit)
         if overrides:

@@ -55,7 +55,7 @@ _BOOKKEEPING = {"checkpoint_snapshot_replicated", "checkpoint_snapshot_replica_f
 """Events that come at any time, also while a group recovers (an agent's replica to a peer that just joined, a save
 that failed with the aborted group, a corrupt checkpoint skipped by the load): no sign that training resumed."""
 _NOT_TRAINING = _INTERRUPTS | _LOADS | _ENDS | _BOOKKEEPING | {"join", "leave", "drain", "operator", FAULT_COST_EVENT,
-                                                               CARRIED_EVENT, "in_place_resumed", "shrink"}
+                                                               CARRIED_EVENT, "in_place_resumed", "shrink", "grow"}
 
 
 def _interrupts(e: "_Ev") -> bool:
@@ -228,6 +228,19 @@ def _open(e: _Ev, members: frozenset[str]) -> _Gap:
                 detection_s=_detection(e), step_reached=_reached(e), members=members, seen={e.node})
 
 
+def _grown(e: _Ev) -> _Gap:
+    """A node joined in place (a grow, rendezvous/shrink.py): the group trained until its new workers were ready, then
+    paused `pause_s` to re-form; the resume is the only record of it."""
+    pause = e.fields.get("pause_s")
+    pause = float(pause) if isinstance(pause, (int, float)) and not isinstance(pause, bool) else 0.0
+    g = _Gap(at=e.time - pause, kind="node joined", cause=f"a node joined in place (world size "
+             f"{e.fields.get('from_world_size', '?')} -> {e.fields.get('to_world_size', '?')})", node=e.node,
+             step_reached=_reached(e), seen={e.node})  # no members: nobody was lost
+    g.in_place_at, g.loaded_step = e.time, _int(e.fields.get("step"))
+    _close(g)
+    return g
+
+
 def _close(g: _Gap) -> None:
     if g.in_place_at is not None and (g.load_at is None or g.in_place_at >= g.load_at):
         g.resumed_at = g.in_place_at
@@ -255,6 +268,11 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
             if cur is not None and cur.resumed_at is None:
                 _close(cur)
             return start, gaps, e.time
+        if cur is not None and cur.in_place_at is not None and (
+                e.kind == "join" or (e.kind == "in_place_resumed" and e.fields.get("grew"))):
+            # Resumed in place already; a node that joins now grows the world back (its own short pause, if any).
+            _close(cur)
+            cur = None
         if cur is not None:
             if e.kind == "join":
                 cur.last_join, cur.load_at, cur.in_place_at = e.time, None, None
@@ -288,6 +306,8 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
         if _interrupts(e):
             cur = _open(e, members)
             gaps.append(cur)
+        elif e.kind == "in_place_resumed" and e.fields.get("grew"):
+            gaps.append(_grown(e))
     if cur is not None and cur.resumed_at is None and (cur.last_join is not None or cur.in_place_at is not None):
         _close(cur)
     return start, gaps, None

@@ -1,5 +1,6 @@
 """The agent's side of a smaller world in place (rendezvous/shrink.py): after the round dropped a lost node, this
-node's workers have new global ranks in a smaller world. The agent renumbers its view of them (events, status, the
+node's workers have new global ranks in a smaller world (and again in a bigger one when a node takes a lost node's
+place back: a grow). The agent renumbers its view of them (events, status, the
 hang rule's world size) and remembers the environment a later in-place replacement of one of them must start with."""
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int],
                     ", ".join(lost))
         return {}
     old_world = worker_group.workers[0].world_size if worker_group.workers else 0
+    overrides = renumber(worker_group, round_ranks, world)
+    worker_group.group_world_size = max(1, (worker_group.group_world_size or 1) - len(lost))
+    log.warning("the round goes on without lost node(s) %s, in place: world size %d -> %d (generation %d)",
+                ", ".join(lost), old_world, world.size, world.generation)
+    emit("shrink", reason="node lost", in_place=True, lost_nodes=lost, generation=world.generation,
+         world_size=world.size, from_world_size=old_world,
+         global_ranks={w.local_rank: w.global_rank for w in worker_group.workers}, recorded_here=bool(recorded))
+    return overrides
+
+
+def renumber(worker_group: WorkerGroup, round_ranks: dict[int, int], world: World) -> dict[int, dict[str, str]]:
+    """This node's workers' ranks in `world` (`round_ranks`: each local rank's global rank when the round formed);
+    each local rank's environment for a replacement started from now on."""
     overrides: dict[int, dict[str, str]] = {}
     for w in worker_group.workers:
         rank = world.rank_of(round_ranks.get(w.local_rank, w.global_rank))
@@ -48,10 +62,34 @@ def adopt_shrinks(worker_group: WorkerGroup, round_ranks: dict[int, int],
         overrides[w.local_rank] = {"RANK": str(rank), "WORLD_SIZE": str(world.size), "ROLE_RANK": str(rank),
                                    "ROLE_WORLD_SIZE": str(world.size),
                                    ENV_ROUND_RANK: str(round_ranks.get(w.local_rank, rank))}
-    worker_group.group_world_size = max(1, (worker_group.group_world_size or 1) - len(lost))
-    log.warning("the round goes on without lost node(s) %s, in place: world size %d -> %d (generation %d)",
-                ", ".join(lost), old_world, world.size, world.generation)
-    emit("shrink", reason="node lost", in_place=True, lost_nodes=lost, generation=world.generation,
-         world_size=world.size, from_world_size=old_world,
-         global_ranks={w.local_rank: w.global_rank for w in worker_group.workers}, recorded_here=bool(recorded))
+    return overrides
+
+
+def adopt_grows(worker_group: WorkerGroup, round_ranks: dict[int, int],
+                emit: Callable[..., None]) -> dict[int, dict[str, str]]:
+    """Apply the places taken back in the round since the last call (a node joined the shrunk round in place): this
+    node's workers' ranks in the bigger world. Returns the environment overrides like `adopt_shrinks` ({}: none)."""
+    handler: Any = worker_group.spec.rdzv_handler
+    grown = getattr(handler, "grown", None)
+    if not grown:
+        return {}
+    taken = list(grown)
+    grown.clear()
+    try:
+        world = handler.world()
+    except Exception as e:  # noqa: BLE001 - etcd blinked: the workers read the world themselves
+        log.warning("could not read the grown round's world: %s", e)
+        return {}
+    if world is None or not world.joined:
+        return {}
+    old_world = worker_group.workers[0].world_size if worker_group.workers else 0
+    overrides = renumber(worker_group, round_ranks, world)
+    worker_group.group_world_size = (worker_group.group_world_size or 1) + len(taken)
+    log.warning("node(s) %s joined the round in place (the place of %s): world size %d -> %d (generation %d)",
+                ", ".join(n for _, n in taken), ", ".join(lost for lost, _ in taken), old_world, world.size,
+                world.generation)
+    emit("grow", reason="node joined", in_place=True, joined_nodes=[n for _, n in taken],
+         places_of=[lost for lost, _ in taken], generation=world.generation, world_size=world.size,
+         from_world_size=old_world, global_ranks={w.local_rank: w.global_rank for w in worker_group.workers},
+         recorded_here=False)
     return overrides

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 _DOUBT_S = 5.0
 """How long a member that lost its lease is doubted before it is reported lost when nothing shows that it died (no
 pause of this node's workers): time for a starved agent to register again (shrink.py)."""
+_GROWN_POLL_S = 0.25
+"""How often a shrunk round's agent looks for a node that took a lost node's place back (shrink.py)."""
 _OFFER_GRACE_S = 5.0
 """Beyond the lease's TTL: how long a node started into a full running round waits for a lost node's place."""
 
@@ -113,6 +115,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """Set by the agent: whether every local worker pauses in place (its collectives failed: a peer died)."""
         self._doubted: dict[str, float] = {}
         """Lost members not yet dropped in place (node id -> monotonic deadline): no evidence yet that they died."""
+        self.grow_world: World | None = None
+        """With `took_over`: the bigger world this node's claim of a shrunk round's open place recorded (shrink.py)."""
+        self.grown: list[tuple[str, str]] = []
+        """Places of lost nodes taken back in place since the agent last looked: (lost node, the node that took it)."""
+        self._grown_seen: set[str] = set()
+        self._grown_checked = 0.0
         store.abandoned = self._round_over
 
     @property
@@ -152,8 +160,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._round_members = {node_id(n) for n in state.participants}
         self._round = (state.round, {node_id(n): r for n, r in state.participants.items()})
         self._held.clear()
-        self.took_over = None
+        self.took_over = self.grow_world = None
         self._shrunk_round = False
+        self._grown_seen.clear()
         if self._shrinks is not None and info.rank == 0:
             try:  # a new round numbers its ranks afresh: older rounds' shrinks name nobody in it
                 self._shrinks.forget_before(state.round)
@@ -168,28 +177,66 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def claim_vacancy(self, local_world_size: int, wait_s: float | None = None) -> Vacancy | None:
         """Take a lost node's place in the running round, if one is held for a node of `local_world_size` workers
-        (a node started while its peers pause in place); the next `next_rendezvous` then returns that place.
+        (a node started while its peers pause in place), or open since the round shrank around it (a grow in place,
+        shrink.py); the next `next_rendezvous` then returns that place.
 
         Into a running round with no place offered yet, wait up to `wait_s` (default: the lease's TTL + 5 s) for one:
         a node started again at once comes before its old lease expired, or between the expiry and the survivors'
         offer (one monitor tick). A node that scales the job up pays that wait once before it joins as usual."""
-        if self._vacancies is None:
+        self.local_world_size = local_world_size
+        if self._vacancies is None and self._shrinks is None:
             return None
-        claim = self._vacancies.claim(self.this_node, local_world_size)
+
+        def claim() -> Vacancy | None:
+            # A place the round shrank around first: it costs the survivors one short pause, a held place more.
+            found = self._claim_grow(local_world_size)
+            if found is None and self._vacancies is not None:
+                found = self._vacancies.claim(self.this_node, local_world_size)
+            return found
+
+        found = claim()
         if wait_s is None:
             wait_s = self._client.settings.lease_ttl + _OFFER_GRACE_S
-        if claim is None and wait_s > 0 and self._round_running():
+        if found is None and wait_s > 0 and self._round_running():
             # Joining the round now would make every survivor restart instead (seen: a node 0.7 s early).
             deadline = time.monotonic() + wait_s
             logger.info("a round is running; waiting up to %.0f s for a lost node's place to be offered", wait_s)
-            while claim is None and time.monotonic() < deadline:
+            while found is None and time.monotonic() < deadline:
                 time.sleep(0.2)
-                claim = self._vacancies.claim(self.this_node, local_world_size)
-        if claim is not None:
+                found = claim()
+        if found is not None and self.grow_world is None:
             logger.warning("taking over lost node %s's place in round %d in place: group rank %d of %d",
-                           claim.lost, claim.round, claim.group_rank, claim.group_world_size)
-        self._claim = claim
-        return claim
+                           found.lost, found.round, found.group_rank, found.group_world_size)
+        self._claim = found
+        return found
+
+    def _claim_grow(self, local_world_size: int) -> Vacancy | None:
+        """Take the open place of a node the running round shrank around (shrink.py) and record the bigger world this
+        node's workers start in; None when there is none, or the record failed (then this node joins as usual)."""
+        if self._shrinks is None or not self._round_running():
+            return None
+        number = self._state_holder.state.round
+        try:
+            place = self._shrinks.claim(number, self.this_node, local_world_size)
+            if place is None:
+                return None
+            self._round = (number, {**place.ranks, self.this_node: place.group_rank})
+            ranks = self.round_ranks()
+            world = self._shrinks.grow(number, place, self.this_node, ranks) if ranks is not None else None
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types; a new round still works
+            logger.warning("could not take a lost node's place in the running round in place (%s); joining as usual",
+                           e)
+            self._round = None
+            return None
+        if world is None:
+            logger.warning("took lost node %s's place, but could not record the bigger world; joining as usual",
+                           place.lost)
+            self._round = None
+            return None
+        logger.warning("growing round %d back in place: taking lost node %s's place (group rank %d), a world of %d "
+                       "(generation %d)", number, place.lost, place.group_rank, world.size, world.generation)
+        self.grow_world = world
+        return place
 
     def _round_running(self) -> bool:
         """A completed, open round: the job trains (or its survivors pause in place for a lost node's place)."""
@@ -223,9 +270,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{claim.round}", self._store)
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY))
-        self._round_members = {*claim.ranks, self.this_node}
+        gone = set(self.grow_world.gone) if self.grow_world is not None else set()
+        self._round_members = {*claim.ranks, self.this_node} - gone
         self._round = (claim.round, {**claim.ranks, self.this_node: claim.group_rank})
         self._held.clear()
+        self._shrunk_round = self.grow_world is not None
+        if self.grow_world is not None:
+            self._grown_seen = {claim.lost}
         return RendezvousInfo(store, claim.group_rank, claim.group_world_size, RendezvousStoreInfo(addr, port))
 
     def num_nodes_waiting(self) -> int:
@@ -253,10 +304,47 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             lost = {n for n in lost if not self._hold(n)} | self._settle_held(now)
         if self._shrinks is not None and (lost or self._doubted):
             lost = self._shrink(lost, waiting, now)
+        if self._shrunk_round and now - self._grown_checked >= _GROWN_POLL_S:
+            self._grown_checked = now
+            self._settle_grown()
         if lost:
             logger.warning("lost node(s) %s of the current round; asking for a new round", sorted(lost))
             self._round_members -= lost
         return waiting + len(lost)
+
+    def _settle_grown(self) -> None:
+        """Places of nodes the round shrank around that a new node took back (shrink.py): it is a member now."""
+        assert self._shrinks is not None and self._round is not None
+        try:
+            grown = self._shrinks.grown(self._round[0])
+        except Exception as e:  # noqa: BLE001 - etcd blinked: look again at the next tick
+            logger.debug("could not read the round's grows: %s", e)
+            return
+        for lost, node in sorted(grown.items()):
+            if lost in self._grown_seen:
+                continue
+            self._grown_seen.add(lost)
+            if node == self.this_node:
+                continue
+            number, ranks = self._round
+            if lost in ranks:
+                ranks = dict(ranks)
+                ranks[node] = ranks.pop(lost)
+                self._round = (number, ranks)
+            self._round_members.add(node)
+            self._doubted.pop(node, None)
+            logger.warning("node %s took lost node %s's place: the round grows back in place", node, lost)
+            self.grown.append((lost, node))
+
+    def place_of(self, node: str) -> Vacancy | None:
+        """Member `node`'s place in the running round, as a node that takes it over must know it."""
+        if self._round is None or node not in self._round[1]:
+            return None
+        number, ranks = self._round
+        rank = ranks[node]
+        return Vacancy(lost=node, group_rank=rank, group_world_size=len(ranks), round=number,
+                       local_world_size=local_world_size_of(self._wrap_store(self._store), rank),
+                       ranks={n: r for n, r in ranks.items() if n != node}, offered_at=time.time())
 
     def round_ranks(self) -> dict[str, list[int]] | None:
         """Every member's global ranks in the running round (lost members included); None when not known."""
@@ -311,7 +399,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 return report
             for node in sorted(drop):
                 self._doubted.pop(node, None)
-                self.shrunk.append((node, self._shrinks.record(self._round[0], node, ranks)))
+                self.shrunk.append((node, self._shrinks.record(self._round[0], node, ranks, self.place_of(node))))
         except Exception as e:  # noqa: BLE001 - etcd errors come in several types; a new round still works
             logger.warning("could not shrink the round in place around lost node(s) %s (%s); asking for a new round",
                            sorted(lost), e)
@@ -333,7 +421,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             ranks = self.round_ranks()
             if ranks is None:
                 return None
-            return self._shrinks.record(self._round[0], self.this_node, ranks)
+            return self._shrinks.record(self._round[0], self.this_node, ranks, self.place_of(self.this_node))
         except Exception as e:  # noqa: BLE001 - etcd errors come in several types; the others re-form as before
             logger.warning("could not record this node's departure for an in-place shrink (%s); the other nodes "
                            "re-form in a new round", e)
@@ -358,12 +446,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._round is None or lost not in self._round[1] or self._shrunk_round:
             # A shrunk round's ranks are no longer the lost node's to hand over: a node started now scales up.
             return False
-        number, ranks = self._round
-        rank = ranks[lost]
-        vacancy = Vacancy(lost=lost, group_rank=rank, group_world_size=len(ranks), round=number,
-                          local_world_size=local_world_size_of(self._wrap_store(self._store), rank),
-                          ranks={n: r for n, r in ranks.items() if n != lost}, offered_at=time.time())
-        if not self._vacancies.offer(vacancy):
+        vacancy = self.place_of(lost)
+        if vacancy is None or not self._vacancies.offer(vacancy):
             return False
         # etcd withdraws the vacancy after hold_s; the deadline here only covers an etcd that cannot tell us so.
         self._held[lost] = time.monotonic() + self._vacancies.hold_s + 10.0

@@ -11,17 +11,29 @@ its round formed (`ENV_ROUND_RANK` for a replacement started later); its new ran
 
 The world of a generation is computed from every `gone/` key of the round, read after the counter moved: the newest
 generation's record therefore names every node lost before it, also when two agents recorded two losses at once.
+
+**A grow in place** (the way back): the lost node's place stays open (`.../open/<node>`, the round's group rank and
+what a node must bring to take it) for as long as the round runs. A node started later (the lost one again, or
+another) claims it before it would join a new round: one transaction moves `open/<node>` to `back/<node>`, so two
+nodes never take the same place. The claimer then deletes `gone/<node>`, starts a new generation and writes its world
+(`world/<N>` with `joined`: the round ranks it brings back). Its workers start in that generation, say they are ready
+(`<run>/inplace/g<N>/ready/<rank>`, runtime/inplace.py) and wait in the group's rendezvous; the survivors' workers,
+training meanwhile, see the grow once every joiner is ready, stop together at the next step boundary with that step's
+snapshot taken, and re-form with them: a bigger world, the model built on the new mesh, the snapshot loaded
+re-sharded (the joiners copy their slots from the survivors' nodes). Nobody restarts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.store import EtcdStore
+from elastictrain.rendezvous.vacancy import Vacancy
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +47,14 @@ ENV_ROUND_RANK = "ELASTICTRAIN_ROUND_RANK"
 
 @dataclass(frozen=True)
 class World:
-    """The ranks of a shrunk round at a generation: `survivors[i]` is the round rank that now has rank i."""
+    """The ranks of a shrunk (or shrunk, then grown) round at a generation: `survivors[i]` is the round rank that now
+    has rank i."""
 
     generation: int
     survivors: tuple[int, ...]
     gone: tuple[str, ...]
+    joined: tuple[int, ...] = ()
+    """A grow: the round ranks a node brought back at this generation (its workers are new; the others' are not)."""
 
     @property
     def size(self) -> int:
@@ -74,23 +89,73 @@ class Shrinks:
     def _round(self, number: int) -> str:
         return f"{self._prefix}/{number}"
 
-    def record(self, round_number: int, lost: str, ranks: dict[str, list[int]]) -> Optional[World]:
+    def record(self, round_number: int, lost: str, ranks: dict[str, list[int]],
+               place: Optional[Vacancy] = None) -> Optional[World]:
         """Record node `lost` gone from round `round_number` (`ranks`: every member's round ranks, the lost ones
-        included). The world of the new generation when this call recorded it; None when another agent did."""
+        included) and, with `place`, keep its place open for a node that grows the round back. The world of the new
+        generation when this call recorded it; None when another agent did."""
         written, _, _ = self.client.cas(f"{self._round(round_number)}/gone/{lost}", b"1", None)
         if not written:
             return None
+        if place is not None:
+            self.client.put(f"{self._round(round_number)}/open/{lost}", place.to_json())
+        world = self._record_world(round_number, ranks)
+        if world is not None:
+            log.warning("node(s) %s left round %d: its %d surviving ranks continue in place as a smaller world "
+                        "(generation %d)", ", ".join(world.gone), round_number, world.size, world.generation)
+        return world
+
+    def _record_world(self, round_number: int, ranks: dict[str, list[int]],
+                      joined: tuple[int, ...] = ()) -> Optional[World]:
         generation = int(self._generations.add("gen", 1))
         gone = tuple(sorted(self.gone(round_number)))
         survivors = tuple(sorted(r for node, rs in ranks.items() if node not in gone for r in rs))
         if not survivors:  # cannot be while the recording agent is alive; never leave an empty world to join
             return None
-        world = World(generation, survivors, gone)
+        world = World(generation, survivors, gone, joined)
         self.client.put(f"{self._round(round_number)}/world/{generation}",
-                        json.dumps({"survivors": list(survivors), "gone": list(gone)}).encode())
-        log.warning("node(s) %s left round %d: its %d surviving ranks continue in place as a smaller world "
-                    "(generation %d)", ", ".join(gone), round_number, len(survivors), generation)
+                        json.dumps({"survivors": list(survivors), "gone": list(gone), "joined": list(joined)}).encode())
         return world
+
+    def claim(self, round_number: int, node: str, local_world_size: int) -> Optional[Vacancy]:
+        """Take an open place of round `round_number` (a node it shrank around) for `node`, which runs
+        `local_world_size` workers; None when there is none (or another node took each one first)."""
+        prefix = f"{self._round(round_number)}/open/"
+        for key, (raw, revision) in sorted(self.client.get_prefix_revisions(prefix).items()):
+            try:
+                place = Vacancy.from_json(raw)
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring an unreadable open place %s: %s", key, e)
+                continue
+            if place.local_world_size not in (None, local_world_size):
+                log.info("not taking node %s's place: it ran %d workers, this node runs %d", place.lost,
+                         place.local_world_size, local_world_size)
+                continue
+            record = json.dumps({"node": node, "at": time.time()}).encode()
+            if self.client.move(key, revision, f"{self._round(round_number)}/back/{place.lost}", record):
+                return place
+        return None
+
+    def grow(self, round_number: int, place: Vacancy, node: str, ranks: dict[str, list[int]]) -> Optional[World]:
+        """`node` took lost node `place.lost`'s place (`claim`): record the bigger world of a new generation, in
+        which it holds that node's round ranks (`ranks`: every member's round ranks, `node` under its own name)."""
+        self.client.delete(f"{self._round(round_number)}/gone/{place.lost}")
+        world = self._record_world(round_number, ranks, joined=tuple(sorted(ranks.get(node, ()))))
+        if world is not None:
+            log.warning("node %s takes lost node %s's place in round %d in place: a world of %d (generation %d)",
+                        node, place.lost, round_number, world.size, world.generation)
+        return world
+
+    def grown(self, round_number: int) -> dict[str, str]:
+        """The round's places taken back: lost node -> the node that took its place."""
+        prefix = f"{self._round(round_number)}/back/"
+        out = {}
+        for key, raw in self.client.get_prefix(prefix).items():
+            try:
+                out[key.removeprefix(prefix)] = str(json.loads(raw)["node"])
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring an unreadable in-place grow record %s: %s", key, e)
+        return out
 
     def gone(self, round_number: int) -> set[str]:
         prefix = f"{self._round(round_number)}/gone/"
@@ -110,7 +175,7 @@ class Shrinks:
                 continue
             if (generation is None or number <= generation) and (best is None or number > best.generation):
                 best = World(number, tuple(int(r) for r in data["survivors"]),
-                             tuple(str(n) for n in data.get("gone", ())))
+                             tuple(str(n) for n in data.get("gone", ())), tuple(int(r) for r in data.get("joined", ())))
         return best
 
     def forget_before(self, round_number: int) -> None:

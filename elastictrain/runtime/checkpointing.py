@@ -394,6 +394,16 @@ class StateCheckpointer:
         self.snapshots = None
         self.mgr.saves_from_snapshots = False
 
+    def hand_over(self) -> None:
+        """The group re-forms in place at this step boundary (a node joins it): this step's snapshot taken (when
+        snapshots are on here) and committed, the durable save in flight finished; then closed. The new group
+        restores from that snapshot, so nothing is computed again."""
+        step = self.state.step
+        if self.snapshots is not None and self._snapshot_step != step:
+            self._snapshot(step)
+        self._finish_snapshot()
+        self.close()
+
     def abandon(self) -> None:
         """Drop this checkpointer after its process group failed (the in-place path, runtime/inplace.py): the
         snapshot copy in flight completes (node memory only; the recovery may load it), a durable save in flight is

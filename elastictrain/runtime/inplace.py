@@ -45,6 +45,8 @@ GENERATIONS_PREFIX = "inplace"
 _POLL_S = 0.05
 _NODES_POLL_S = 0.25
 _WATCH_S = 0.5
+READY = "ready"
+"""Under a generation's keys: `ready/<rank>`, put by each new worker before it joins that generation's group."""
 _SHRINK_WAIT_S = 15.0
 """After a node left: how long a paused worker waits for its agents to decide (a smaller world, a new round)."""
 
@@ -134,6 +136,9 @@ class InPlace:
         self._client: Any = None
         self._store: Optional[dist.Store] = None
         self._prefix = self._run_prefix = ""
+        self.grow_ready: Optional[int] = None
+        """Set by `StuckWatch`: the generation of a bigger world whose new workers wait for this group (a node took a
+        lost node's place back, rendezvous/shrink.py); the step loop re-forms at its next step boundary."""
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> Optional["InPlace"]:
@@ -168,6 +173,24 @@ class InPlace:
             return None
         self.store  # noqa: B018 - connects
         return Shrinks(self._client, self._run_prefix).world(self.round, generation)
+
+    def place(self, generation: int) -> Optional[tuple[int, int]]:
+        """This worker's rank and world size at `generation` when its round shrank (or grew back) in place by then;
+        None when it did not. Raises `InPlaceFailed` when this worker is not in that world."""
+        world = self.world_at(generation)
+        if world is None:
+            return None
+        rank = world.rank_of(self.round_rank)
+        if rank is None:
+            raise InPlaceFailed(f"this worker (round rank {self.round_rank}) is not in the world of generation "
+                                f"{generation}; restarting every worker instead")
+        return rank, world.size
+
+    def mark_ready(self, generation: int) -> None:
+        """A new worker is about to join generation `generation`'s group: the survivors of a grow wait for this
+        before they stop training to re-form with it (`StuckWatch`)."""
+        self.store  # noqa: B018 - connects
+        self._client.put(f"{self._prefix}/g{generation}/{READY}/{self.rank}", b"1")
 
     def wait_next(self, beat: Callable[[], None], stop: Callable[[], bool]) -> int:
         """Wait until the agent of the failed rank started a newer generation than ours; its number.
@@ -235,7 +258,10 @@ class StuckWatch:
     """A survivor that cannot pause: the job moved to a newer generation (a peer was replaced) while this process
     stayed inside a collective that never failed (seen with gloo at 150M parameters: the dead peer's connections
     were closed, yet the main thread waited on for minutes). After `grace()` seconds of that it exits with
-    `EXIT_NO_IN_PLACE`, so its agent restarts every worker at once instead of waiting for two hang timeouts."""
+    `EXIT_NO_IN_PLACE`, so its agent restarts every worker at once instead of waiting for two hang timeouts.
+
+    A newer generation that grows this worker's round back (rendezvous/shrink.py) is no failure: the watch tells the
+    step loop once every new worker of it is ready (`InPlace.grow_ready`), and counts the grace from then."""
 
     def __init__(self, in_place: InPlace, pausing: Callable[[], bool], grace: Callable[[], float],
                  exit: Callable[[int], None] = os._exit):
@@ -262,6 +288,20 @@ class StuckWatch:
         found = self._client.get(f"{self._client.settings.run_prefix}/{GENERATIONS_PREFIX}/gen")
         return int(found[0]) if found is not None else 0
 
+    def _grow(self, generation: int) -> Optional[bool]:
+        """None: `generation` does not grow this worker's round; else whether all its new workers are ready."""
+        ip = self._in_place
+        if not ip.settings.shrink or ip.round < 0:
+            return None
+        prefix = self._client.settings.run_prefix
+        world = Shrinks(self._client, prefix).world(ip.round, generation)
+        if world is None or world.generation != generation or not world.joined or \
+                world.rank_of(ip.round_rank) is None:
+            return None
+        ready = self._client.get_prefix(f"{prefix}/{GENERATIONS_PREFIX}/g{generation}/{READY}/")
+        wanted = {f"{prefix}/{GENERATIONS_PREFIX}/g{generation}/{READY}/{world.rank_of(r)}" for r in world.joined}
+        return wanted <= set(ready)
+
     def _run(self) -> None:
         from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE
 
@@ -273,10 +313,19 @@ class StuckWatch:
                     since = None
                     continue
                 try:
-                    newer = self._newest() > mine
+                    newest = self._newest()
+                    newer = newest > mine
+                    grow = self._grow(newest) if newer else None
                 except Exception as e:  # noqa: BLE001 - etcd unreachable: nothing to judge by
                     log.debug("in-place watch: %s", e)
                     continue
+                if grow is False:  # its new workers are still starting: train on
+                    since = None
+                    continue
+                if grow is True and self._in_place.grow_ready is None:
+                    log.info("a node's workers are ready to join (generation %d): re-forming at the next step "
+                             "boundary", newest)
+                    self._in_place.grow_ready = newest
                 if not newer:
                     since = None
                 elif since is None:

@@ -87,6 +87,11 @@ class Session:
             if self.in_place is not None and self.in_place.replacement:
                 # A replacement for a failed rank: it joins the survivors' new group, not the first one.
                 assert self.in_place.generation is not None
+                place = self.in_place.place(self.in_place.generation)
+                if place is not None and place != (self.rank, self.world_size):
+                    # Started with its round rank: a node that took a shrunk round's place back (a grow in place).
+                    self._move(*place)
+                self.in_place.mark_ready(self.in_place.generation)
                 init_world(self.in_place.group_store(self.in_place.generation), self.rank, self.world_size,
                            timeout, self.device)
             elif "MASTER_ADDR" in os.environ:
@@ -110,10 +115,7 @@ class Session:
         resized = world_size is not None and (world_size != self.world_size or rank != self.rank)
         if resized:
             assert rank is not None and world_size is not None
-            self.info = dataclasses.replace(self.info, rank=rank, world_size=world_size)
-            self.in_place.rank, self.in_place.world_size = rank, world_size
-            # Code that reads torchrun's variables (torch's own helpers, the user's) sees the new world too.
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+            self._move(rank, world_size)
         init_world(self.in_place.group_store(generation), self.rank, self.world_size,
                    datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device)
         if resized:
@@ -123,6 +125,14 @@ class Session:
                                 "meshes keep their groups otherwise); restarting every worker instead")
         self.in_place.generation = generation
         return resized
+
+    def _move(self, rank: int, world_size: int) -> None:
+        """This process is rank `rank` of `world_size` from now on (a world that shrank or grew in place)."""
+        assert self.in_place is not None
+        self.info = dataclasses.replace(self.info, rank=rank, world_size=world_size)
+        self.in_place.rank, self.in_place.world_size = rank, world_size
+        # Code that reads torchrun's variables (torch's own helpers, the user's) sees the new world too.
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
 
     def close(self) -> None:
         if self.in_place is not None:

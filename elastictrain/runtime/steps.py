@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_METRICS = 8
 """Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
-_FLAGS = 4  # stop, checkpoint now, pause, the hash of the reported names
+_FLAGS = 5  # stop, checkpoint now, pause, the hash of the reported names, a node's workers wait to join (a grow)
 PROGRESS_EVERY_S = 5.0
 """Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
 _PAUSE_POLL_S = 0.5
@@ -285,7 +285,7 @@ class StepLoop(InPlaceLoop):
         w.heartbeat.beat(st.step, "train")
         if self.checkpointer is not None:
             self.checkpointer.snapshot_if_due(final=st.step == self.total)
-        stop, ckpt_now, pause = self._reduce()
+        stop, ckpt_now, pause, grow = self._reduce()
         self.step_times.append(time.monotonic() - t0)
         self._progress_steps += 1
         if self.on_step is not None:
@@ -305,6 +305,9 @@ class StepLoop(InPlaceLoop):
             stop = self._pause()
             if stop and self.checkpointer is not None:
                 self.checkpointer.after_step(final=False, stopping=True)
+        if grow and not stop and not final:
+            self._join_grown()
+            return False
         if stop and not w.stop_flag.requested and (generation := self._peer_left()) is not None:
             self._leave_peer(generation)
             return False
@@ -315,8 +318,8 @@ class StepLoop(InPlaceLoop):
             log.warning("stop requested%s: leaving at step %d", why, st.step)
         return stop
 
-    def _reduce(self) -> tuple[bool, bool, bool]:
-        """The step's one collective: reported values summed, and the stop/checkpoint/pause flags."""
+    def _reduce(self) -> tuple[bool, bool, bool, bool]:
+        """The step's one collective: reported values summed, and the stop/checkpoint/pause/grow flags."""
         w = self.worker
         names = sorted(self._pending)
         if len(names) > MAX_METRICS:
@@ -326,7 +329,8 @@ class StepLoop(InPlaceLoop):
         # A re-form the agent asked for (a straggler's replacement) stops every rank like a drain: save, exit.
         flags = [float(w.stop_flag.requested or w.control.reform_requested),
                  float(w.rank == 0 and w.control.ckpt_requested),
-                 float(w.control.paused), float(_names_hash(names))]
+                 float(w.control.paused), float(_names_hash(names)),
+                 float(w.in_place is not None and w.in_place.grow_ready is not None)]
         timed = _FLAGS + MAX_METRICS  # then this step's prelude and busy time of each rank (stragglers.py)
         vec = torch.zeros(timed + (2 * w.world_size if self._stragglers else 0), dtype=torch.float64, device=w.device)
         vec[:_FLAGS] = torch.tensor(flags, dtype=torch.float64)
@@ -350,7 +354,7 @@ class StepLoop(InPlaceLoop):
             raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
                               f"{w.rank}: {names or 'none'}); report the same names on every rank at every step")
         self.metrics = {name: out[_FLAGS + i] for i, name in enumerate(names)}
-        return out[0] > 0, out[1] > 0, out[2] > 0
+        return out[0] > 0, out[1] > 0, out[2] > 0, out[4] > 0
 
     def _on_forward(self, *_: Any) -> None:
         if not self._first_forward:

@@ -139,6 +139,25 @@ class InPlaceLoop:
             self.checkpointer = None
         self._resume_in_place(generation, step, started, "a peer node drained")
 
+    def _join_grown(self) -> None:
+        """A node took a lost node's place back (rendezvous/shrink.py) and its workers wait for this group: every rank
+        stops at this step boundary with this step's snapshot taken, then all re-form the bigger world in place."""
+        w, st = self.worker, self.state
+        in_place = w.in_place
+        assert in_place is not None
+        generation = torch.tensor([in_place.grow_ready or 0], dtype=torch.int64)
+        if w.world_size > 1:  # a rank whose watch has not looked yet takes the others' word for it
+            dist.all_reduce(generation, op=dist.ReduceOp.MAX)
+        in_place.grow_ready = None
+        step, started = st.step, time.monotonic()
+        self._pausing = True
+        log.warning("a node's workers wait to join at step %d: re-forming a bigger world in place", step)
+        w.heartbeat.beat(step, "paused")
+        if self.checkpointer is not None:
+            self.checkpointer.hand_over()
+            self.checkpointer = None
+        self._resume_in_place(int(generation.item()), step, started, "a node joined")
+
     def _resume_in_place(self, generation: int, failed_step: int, started: float, cause: str) -> None:
         """Rebuild the process group of `generation` (a smaller world: the model too) and continue from the newest
         snapshot every rank holds."""
@@ -166,6 +185,7 @@ class InPlaceLoop:
             w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
                               pause_s=round(pause, 3), cause=cause,
                               **({"from_world_size": old_world, "to_world_size": w.world_size}
-                                 if old_world != w.world_size else {}))
+                                 if old_world != w.world_size else {}),
+                              **({"grew": True} if w.world_size > old_world else {}))
             if old is not None:
                 in_place.forget(old)

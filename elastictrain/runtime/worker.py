@@ -202,13 +202,13 @@ class Worker:
                                     f"generation {generation}; restarting every worker instead")
             size = world.size
             if (rank, size) != (self.rank, self.world_size) and (self.loop is None or not self.loop.can_rebuild):
-                raise WorldShrank(f"the world shrank in place to {size} ranks (node(s) {', '.join(world.gone)} "
-                                  f"left), but the script gave Worker.steps no `rebuild` to build its model on the "
-                                  f"new mesh; re-forming in a new round instead")
+                what = "grew" if world.joined and size > self.world_size else "shrank"
+                raise WorldShrank(f"the world {what} in place to {size} ranks, but the script gave Worker.steps no "
+                                  f"`rebuild` to build its model on the new mesh; re-forming in a new round instead")
         if session.rebuild(generation, rank, size):
             assert self.loop is not None
-            log.warning("the world shrank in place to %d ranks: now rank %d; building the model on the new mesh",
-                        self.world_size, self.rank)
+            log.warning("the world changed size in place to %d ranks: now rank %d; building the model on the new "
+                        "mesh", self.world_size, self.rank)
             self.loop.rebuild_state()
             return True
         model = self.loop.state.model if self.loop is not None else None

@@ -76,19 +76,21 @@ def assert_recovered(job: Job, saved_before: set[int], sizes: dict[int, int]) ->
     return summary
 
 
-def replay_on_one_rank(job: Job, reference: Reference, from_step: int, out: Path) -> dict:
+def replay_on_one_rank(job: Job, reference: Reference, from_step: int, out: Path,
+                       stop_at: int | None = None):
     """The history "2 ranks up to `from_step`, then 1" without faults: 1 rank resumed from the reference's
     checkpoint of `from_step` (plain torchrun, the job's config). The reference checkpoints every 4 steps; the state
     of a step in between comes from 2 ranks resumed from the checkpoint before it, stopped at that step (stop_at: the
-    LR schedule still spans the job's steps)."""
+    LR schedule still spans the job's steps). With `stop_at`, the 1 rank stops there too: its checkpoint folder."""
     resume = reference.checkpoint(from_step - from_step % 4)
     if from_step % 4:
         two = out / "two-ranks"
         run_recipe(two, 2, [*job.overrides, f"train.output_dir={two}", f"checkpoint.url={two}/ckpt",
                             f"checkpoint.resume={resume}", f"train.stop_at={from_step}"])
         resume = Reference({}, f"{two}/ckpt").checkpoint(from_step)
-    return run_recipe(out, 1, [*job.overrides, f"train.output_dir={out}", f"checkpoint.url={out}/ckpt",
-                               f"checkpoint.resume={resume}"])
+    summary = run_recipe(out, 1, [*job.overrides, f"train.output_dir={out}", f"checkpoint.url={out}/ckpt",
+                                  f"checkpoint.resume={resume}", *([f"train.stop_at={stop_at}"] if stop_at else [])])
+    return f"{out}/ckpt" if stop_at else summary
 
 
 def _etcd(job: Job):

@@ -17,7 +17,8 @@ from elastictrain.agent.jobstate import event_dict
 from elastictrain.agent.ledger import compute
 from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import drain_node, signal_worker
-from tests.chaos.cluster import STEPS, Job
+from elastictrain.runtime.injected_faults import ENV_CHAOS
+from tests.chaos.cluster import STEPS, Job, Reference
 from tests.chaos.test_agent_chaos import (
     FAULT_STEP,
     ON_TWO,
@@ -28,7 +29,7 @@ from tests.chaos.test_agent_chaos import (
     start_two,
 )
 from tests.chaos.test_snapshot_chaos import SNAPSHOTS
-from tests.integration.recipe_runs import assert_same_train_state
+from tests.integration.recipe_runs import assert_same_train_state, run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -246,3 +247,68 @@ def test_a_drained_node_leaves_a_smaller_world_in_place(tmp_path, etcd, run_id, 
     replay = replay_on_one_rank(job, reference, start, tmp_path / "replay")
     assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items() if int(k) > start}},
                             replay)
+
+
+def _wait_for_event(job: Job, what, timeout: float = 90) -> list:
+    start = time.monotonic()
+    while True:
+        evs = events(job)
+        if any(what(e) for e in evs):
+            return evs
+        assert time.monotonic() - start < timeout, "\n".join(json.dumps(event_dict(e)) for e in evs)
+        time.sleep(0.25)
+
+
+def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, etcd, run_id, reference):
+    """Node b (rank 1) SIGKILLed for good in a 1:2 job: a goes on alone in place (a world of 1). Then b is started
+    again: it takes its old place in the running round (no new round), its worker waits in the group's rendezvous, and
+    a's worker, training meanwhile, stops at the next step boundary with that step's snapshot and re-forms a world of 2
+    with it, in place: a keeps its process, b's new worker copies its shards from a's node. Nothing is computed again,
+    every sample is used once, and the job ends bitwise where "2 ranks, then 1, then 2 from the same steps" ends."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        # a alone steps slowly from step 10 on, so that b's new agent (imports on busy cores) comes before the end.
+        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=600,step=10,rank=0"})
+        b = job.start_node("b")
+        job.wait_for_step(FAULT_STEP, world_size=2)
+        survivor = job.wait_workers(a)
+        saved = job.valid_checkpoints()
+        b.kill()
+        for folder in snapshot_base().glob(f"*-{b.pid}"):
+            shutil.rmtree(folder)  # the node's RAM is gone with it
+        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+        b = job.start_node("b")
+        assert job.wait([a, b]) == [0, 0], job.logs()
+        evs = events(job)
+        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        resumed = [e for e in evs if e.kind == "in_place_resumed"]
+        assert [(e.fields.get("from_world_size"), e.fields.get("to_world_size")) for e in resumed] == \
+            [(2, 1), (1, 2)], dump
+        shrunk_at, grown = resumed[0].fields["step"], resumed[1]
+        assert grown.fields.get("grew") and grown.fields["cause"] == "a node joined", dump
+        assert grown.fields["step"] == grown.fields["failed_step"], "steps were computed again after the grow"
+        grows = [e for e in evs if e.kind == "grow"]
+        assert {(e.fields["agent_pid"], e.fields["recorded_here"]) for e in grows} == {(b.pid, True), (a.pid, False)}, \
+            dump
+        assert all(e.fields["world_size"] == 2 for e in grows), dump
+        assert sum(1 for e in evs if e.kind == "join") == 3, "a new round formed instead of growing in place"
+        assert not [e for e in evs if e.kind == "restart"], "workers were restarted instead of re-forming in place"
+        (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
+        assert list(joined.values()) == list(survivor.values()), (joined, survivor)
+        # The snapshot of the step the group stopped at (the durable checkpoint instead when that step has one).
+        loaded = [e for e in evs if e.kind in ("checkpoint_snapshot_loaded", "checkpoint_loaded")]
+        assert loaded and loaded[-1].fields["step"] == grown.fields["step"], dump
+        grew_at = grown.fields["step"]
+        sizes = {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)}
+        summary = assert_recovered(job, saved, sizes)
+        ledger = compute(evs, now=time.time(), final_step=summary["final_step"])
+        assert "node joined" in [f.kind for f in ledger.faults], (ledger.faults, dump)
+        # Bitwise: the same history without faults, from the reference's checkpoints.
+        one = replay_on_one_rank(job, reference, shrunk_at, tmp_path / "one", stop_at=grew_at)
+        two = tmp_path / "two"
+        replay = run_recipe(two, 2, [*job.overrides, f"train.output_dir={two}", f"checkpoint.url={two}/ckpt",
+                                     f"checkpoint.resume={Reference({}, one).checkpoint(grew_at)}"])
+        assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items()
+                                                       if int(k) > grew_at}}, replay)
+    finally:
+        job.teardown()

@@ -156,3 +156,44 @@ def test_a_doubted_node_is_dropped_once_this_nodes_workers_pause(etcd: EtcdHandl
     _until_dropped(survivor)
     assert [n for n, _ in survivor.shrunk] == [lost.this_node]
     survivor.shutdown()
+
+
+def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: EtcdHandle, run_id: str) -> None:
+    """A grow: node b (rank 1 of 3) lost for good, the round goes on as a world of 2; node d started later takes b's
+    open place in the running round (no new round: nobody waits to join), records a world of 3 again in a newer
+    generation in which its worker has b's old rank, and the survivors count it as a member from then on. A second
+    node finds no place."""
+    first, lost, last = _form(etcd, run_id, 3, [1, 1, 1])
+    shrinks = _shrinks(etcd, run_id)
+    rnd = first._round[0]
+    _kill_without_goodbye(lost)
+    _until_dropped(first)
+    _until_dropped(last)
+    shrunk = shrinks.world(rnd)
+    assert shrunk is not None and shrunk.survivors == (0, 2), shrunk
+
+    new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+    place = new.claim_vacancy(1, wait_s=0)
+    assert place is not None and place.lost == lost.this_node and place.group_rank == 1, place
+    grown = new.grow_world
+    assert grown is not None and grown.generation > shrunk.generation, grown
+    assert grown.survivors == (0, 1, 2) and grown.joined == (1,) and grown.gone == (), grown
+    info = new.next_rendezvous()
+    assert (info.rank, info.world_size) == (1, 3), "the new node did not take the lost node's group rank"
+    assert new.took_over is not None and new.took_over.lost == lost.this_node
+    assert shrinks.gone(rnd) == set(), "the lost node is still recorded gone after its place was taken back"
+
+    for survivor in (first, last):
+        start = time.monotonic()
+        while not survivor.grown:
+            assert survivor.num_nodes_waiting() == 0, "a survivor asked for a new round instead of growing in place"
+            assert time.monotonic() - start < 10, "a survivor never saw the node that took the place back"
+            time.sleep(0.1)
+        assert survivor.grown == [(lost.this_node, new.this_node)]
+        assert survivor.world() == grown and survivor.members_left() == 3
+        assert survivor.round_ranks() == {first.this_node: [0], new.this_node: [1], last.this_node: [2]}
+
+    other = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+    assert other.claim_vacancy(1, wait_s=0) is None and other.grow_world is None, "a place was taken twice"
+    for h in (first, last, new, other):
+        h.shutdown()
