@@ -31,6 +31,9 @@ trial). Each job, once 8 steps trained on 2 nodes and ours' spares are ready:
    (elastic.in_place_shrink). Time lost counts until the survivor alone is one step past where the job was (its
    steps take longer: the global batch is all its own), minus one fault-free 2-node step; `recovery_s` is from the
    fault to the survivor's first completed step.
+   For a `node` fault after which the survivor went on alone (`--rejoin-wait 0`), `on_two.rejoin_stall_s` is the
+   stall when node b came back: from the survivor's last step alone to the first step on 2 nodes (ours in place:
+   the survivors' pause of a grow; the other configurations: a scale-up restart).
 
 Each fault fires half a fault-free step after the group completed its step (`--fault-at`: where a fault at a random
 time lands on average; 0 is the worst case for the snapshot copy, which overlaps the next step). Time lost by a
@@ -267,8 +270,20 @@ def fault(job: ScaleJob, kind: str, bound: float, rejoin_after: float, at: float
         if out["world"] != 2 and not gone:  # the survivor went on alone: also when the job is past it on 2 nodes again
             on_two = wait_past(job, before.seq, step_s, bound, since=t, world=2)
             out["on_two"] = {k: on_two.get(k) for k in ("recovered", "past_s", "time_lost_s", "steps_recomputed")}
+            out["on_two"]["rejoin_stall_s"] = rejoin_stall(job.watch.snapshot(), t)
     out["before_seq"] = before.seq
     return out
+
+
+def rejoin_stall(done: list, since: float) -> Optional[float]:
+    """When the survivor went on alone and node b came back: the seconds without a completed step as the job became
+    2 nodes again, from the survivor's last step alone to the first step on 2 nodes (one step's compute included).
+    Ours in place: the survivor's pause to re-form with the new node (a grow); a restart path: the scale-up."""
+    done = sorted((c for c in done if c.time > since), key=lambda c: c.time)
+    first_two = next((i for i, c in enumerate(done) if c.world == 2), None)
+    if not first_two or done[first_two - 1].world != 1:
+        return None
+    return round(done[first_two].time - done[first_two - 1].time, 3)
 
 
 def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Server], args) -> dict:

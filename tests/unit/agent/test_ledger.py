@@ -158,6 +158,26 @@ def test_a_drained_node_in_place_is_one_interruption_of_kind_node_drained():
     assert f.kind == "node drained" and f.at == 10.0 and f.recomputed_steps == 0
 
 
+def test_a_node_that_grows_the_world_back_costs_only_the_survivors_pause_not_its_start():
+    """A grow in place right after a shrink (no training event in between): the new node's agent start, its join and
+    its `grow` overlap training; the survivor's resume says how long the group paused to re-form with it. Two
+    faults, the second of kind "node joined" and costing that pause; the new node is not taken for a lost one."""
+    log = [*start(), ev(12.5, "a", "shrink", reason="node lost", in_place=True, lost_nodes=["b"], world_size=1,
+                        recorded_here=True),
+           ev(13.5, "a", "in_place_resumed", failed_step=9, step=9, pause_s=3.5, from_world_size=2, to_world_size=1),
+           ev(16, "c", "grow", joined_nodes=["c"], places_of=["b"], world_size=2, recorded_here=True),
+           ev(16, "c", "join", group_rank=1), ev(19, "a", "grow", joined_nodes=["c"], world_size=2),
+           ev(20.3, "a", "in_place_resumed", failed_step=14, step=14, pause_s=0.3, from_world_size=1,
+              to_world_size=2, grew=True, cause="a node joined"),
+           saved(22, 16), ev(25, "a", "succeeded")]
+    led = compute(log, started=0.0, now=30.0, final_step=20)
+    assert_adds_up(led)
+    lost, joined = led.faults
+    assert lost.kind == "node lost" and lost.restart_s + lost.load_s == pytest.approx(3.5), lost
+    assert joined.kind == "node joined" and joined.at == pytest.approx(20.0) and joined.recomputed_steps == 0, joined
+    assert joined.lost_s == pytest.approx(0.3), joined
+
+
 def test_fault_cost_events_in_the_log_do_not_change_the_ledger():
     log = [*start(), ev(10, "b", "failure", cause="x"), ev(11, "a", "join"), ev(11, "b", "join"),
            ev(12, "a", "checkpoint_loaded", step=0), ev(20, "a", "succeeded")]
