@@ -203,6 +203,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             logger.info("a round is running; waiting up to %.0f s for a lost node's place to be offered", wait_s)
             while found is None and time.monotonic() < deadline:
                 time.sleep(0.2)
+                if not self._round_running():
+                    break  # the others asked for a new round (a lost node they could not keep a place for): join it
                 found = claim()
         if found is not None and self.grow_world is None:
             logger.warning("taking over lost node %s's place in round %d in place: group rank %d of %d",
