@@ -280,8 +280,11 @@ def rejoin_stall(done: list, since: float) -> Optional[float]:
     2 nodes again, from the survivor's last step alone to the first step on 2 nodes (one step's compute included).
     Ours in place: the survivor's pause to re-form with the new node (a grow); a restart path: the scale-up."""
     done = sorted((c for c in done if c.time > since), key=lambda c: c.time)
-    first_two = next((i for i, c in enumerate(done) if c.world == 2), None)
-    if not first_two or done[first_two - 1].world != 1:
+    alone = next((i for i, c in enumerate(done) if c.world == 1), None)
+    if alone is None:
+        return None
+    first_two = next((i for i in range(alone, len(done)) if done[i].world == 2), None)
+    if first_two is None:
         return None
     return round(done[first_two].time - done[first_two - 1].time, 3)
 
