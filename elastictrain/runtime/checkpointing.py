@@ -394,6 +394,11 @@ class StateCheckpointer:
         self.snapshots = None
         self.mgr.saves_from_snapshots = False
 
+    @property
+    def saving(self) -> bool:
+        """A durable save is in flight or waits for its snapshot's copy: a re-form now would wait for it."""
+        return self._durable_pending is not None or self.mgr.save_in_flight
+
     def hand_over(self) -> None:
         """The group re-forms in place at this step boundary (a node joins it): this step's snapshot taken (when
         snapshots are on here) and committed, the durable save in flight finished; then closed. The new group

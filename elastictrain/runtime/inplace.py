@@ -137,6 +137,8 @@ class InPlace:
         self._store: Optional[dist.Store] = None
         self._prefix = self._run_prefix = ""
         self.grow_ready: Optional[int] = None
+        self.grow_ready_at = 0.0
+        """When `grow_ready` was set (monotonic): a re-form waits for a durable save in flight, but not forever."""
         """Set by `StuckWatch`: the generation of a bigger world whose new workers wait for this group (a node took a
         lost node's place back, rendezvous/shrink.py); the step loop re-forms at its next step boundary."""
 
@@ -325,6 +327,7 @@ class StuckWatch:
                 if grow is True and self._in_place.grow_ready is None:
                     log.info("a node's workers are ready to join (generation %d): re-forming at the next step "
                              "boundary", newest)
+                    self._in_place.grow_ready_at = time.monotonic()
                     self._in_place.grow_ready = newest
                 if not newer:
                     since = None

@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 
 MAX_METRICS = 8
 """Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
-_FLAGS = 5  # stop, checkpoint now, pause, the hash of the reported names, a node's workers wait to join (a grow)
+_FLAGS = 5  # stop, checkpoint now, pause, the hash of the reported names, ready to re-form with a joining node
 PROGRESS_EVERY_S = 5.0
 """Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
+GROW_SAVE_WAIT_S = 30.0
+"""The longest a grow waits for the durable saves in flight to finish before the group stops to re-form anyway."""
 _PAUSE_POLL_S = 0.5
 """While paused, ranks agree on resume/stop this often."""
 
@@ -330,7 +332,7 @@ class StepLoop(InPlaceLoop):
         flags = [float(w.stop_flag.requested or w.control.reform_requested),
                  float(w.rank == 0 and w.control.ckpt_requested),
                  float(w.control.paused), float(_names_hash(names)),
-                 float(w.in_place is not None and w.in_place.grow_ready is not None)]
+                 float(self._grow_now())]
         timed = _FLAGS + MAX_METRICS  # then this step's prelude and busy time of each rank (stragglers.py)
         vec = torch.zeros(timed + (2 * w.world_size if self._stragglers else 0), dtype=torch.float64, device=w.device)
         vec[:_FLAGS] = torch.tensor(flags, dtype=torch.float64)
@@ -354,7 +356,17 @@ class StepLoop(InPlaceLoop):
             raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
                               f"{w.rank}: {names or 'none'}); report the same names on every rank at every step")
         self.metrics = {name: out[_FLAGS + i] for i, name in enumerate(names)}
-        return out[0] > 0, out[1] > 0, out[2] > 0, out[4] > 0
+        return out[0] > 0, out[1] > 0, out[2] > 0, out[4] > w.world_size - 0.5
+
+    def _grow_now(self) -> bool:
+        """This rank is ready to re-form with a node that joins (a grow): its watch saw the new workers ready, and no
+        durable save of its is in flight (the re-form would wait for it; the new workers wait a step or two instead),
+        or one has been for `GROW_SAVE_WAIT_S`. Every rank must be: the flags are summed."""
+        ip = self.worker.in_place
+        if ip is None or ip.grow_ready is None:
+            return False
+        saving = self.checkpointer is not None and self.checkpointer.saving
+        return not saving or time.monotonic() - ip.grow_ready_at > GROW_SAVE_WAIT_S
 
     def _on_forward(self, *_: Any) -> None:
         if not self._first_forward:
