@@ -45,6 +45,8 @@ GENERATIONS_PREFIX = "inplace"
 _POLL_S = 0.05
 _NODES_POLL_S = 0.25
 _WATCH_S = 0.5
+GROW_SAVE_WAIT_S = 30.0
+"""The longest a grow waits for the durable saves in flight to finish before the group stops to re-form anyway."""
 READY = "ready"
 """Under a generation's keys: `ready/<rank>`, put by each new worker before it joins that generation's group."""
 _SHRINK_WAIT_S = 15.0
@@ -329,6 +331,9 @@ class StuckWatch:
                              "boundary", newest)
                     self._in_place.grow_ready_at = time.monotonic()
                     self._in_place.grow_ready = newest
+                if grow is True and time.monotonic() - self._in_place.grow_ready_at < GROW_SAVE_WAIT_S:
+                    since = None  # the loop may wait for a durable save in flight before it re-forms
+                    continue
                 if not newer:
                     since = None
                 elif since is None:

@@ -37,7 +37,7 @@ from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import derive_seed, seed_everything
 from elastictrain.runtime.heartbeat import Heartbeat
 from elastictrain.runtime.injected_faults import maybe_inject
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, StuckWatch, is_peer_failure
+from elastictrain.runtime.inplace import GROW_SAVE_WAIT_S, InPlace, InPlaceFailed, StuckWatch, is_peer_failure
 from elastictrain.runtime.steps_inplace import InPlaceLoop
 from elastictrain.runtime.stragglers import MAX_WORLD, Change, StragglerWatch, config_from_env
 from elastictrain.runtime.train_state import TrainState
@@ -49,8 +49,6 @@ MAX_METRICS = 8
 _FLAGS = 5  # stop, checkpoint now, pause, the hash of the reported names, ready to re-form with a joining node
 PROGRESS_EVERY_S = 5.0
 """Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
-GROW_SAVE_WAIT_S = 30.0
-"""The longest a grow waits for the durable saves in flight to finish before the group stops to re-form anyway."""
 _PAUSE_POLL_S = 0.5
 """While paused, ranks agree on resume/stop this often."""
 
