@@ -139,10 +139,10 @@ class InPlace:
         self._store: Optional[dist.Store] = None
         self._prefix = self._run_prefix = ""
         self.grow_ready: Optional[int] = None
-        self.grow_ready_at = 0.0
-        """When `grow_ready` was set (monotonic): a re-form waits for a durable save in flight, but not forever."""
         """Set by `StuckWatch`: the generation of a bigger world whose new workers wait for this group (a node took a
         lost node's place back, rendezvous/shrink.py); the step loop re-forms at its next step boundary."""
+        self.grow_ready_at = 0.0
+        """When `grow_ready` was set (monotonic): a re-form waits for a durable save in flight, but not forever."""
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> Optional["InPlace"]:

@@ -363,6 +363,9 @@ class StepLoop(InPlaceLoop):
         ip = self.worker.in_place
         if ip is None or ip.grow_ready is None:
             return False
+        if ip.generation is not None and ip.grow_ready <= ip.generation:
+            ip.grow_ready = None  # the watch saw it just before this rank re-formed into it (or past it)
+            return False
         saving = self.checkpointer is not None and self.checkpointer.saving
         return not saving or time.monotonic() - ip.grow_ready_at > GROW_SAVE_WAIT_S
 
