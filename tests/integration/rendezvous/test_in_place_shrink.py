@@ -161,8 +161,8 @@ def test_a_doubted_node_is_dropped_once_this_nodes_workers_pause(etcd: EtcdHandl
 def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: EtcdHandle, run_id: str) -> None:
     """A grow: node b (rank 1 of 3) lost for good, the round goes on as a world of 2; node d started later takes b's
     open place in the running round (no new round: nobody waits to join), records a world of 3 again in a newer
-    generation in which its worker has b's old rank, and the survivors count it as a member from then on. A second
-    node finds no place."""
+    generation in which its worker has b's old rank, and the survivors count it as a member from then on. A node of
+    another size, and a second node after it, find no place."""
     first, lost, last = _form(etcd, run_id, 3, [1, 1, 1])
     shrinks = _shrinks(etcd, run_id)
     rnd = first._round[0]
@@ -172,6 +172,9 @@ def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: Et
     shrunk = shrinks.world(rnd)
     assert shrunk is not None and shrunk.survivors == (0, 2), shrunk
 
+    bigger = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+    assert bigger.claim_vacancy(2, wait_s=0) is None, "a node of 2 workers took the place of a node of 1"
+    bigger.shutdown()
     new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
     place = new.claim_vacancy(1, wait_s=0)
     assert place is not None and place.lost == lost.this_node and place.group_rank == 1, place
