@@ -174,7 +174,6 @@ def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: Et
 
     bigger = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
     assert bigger.claim_vacancy(2, wait_s=0) is None, "a node of 2 workers took the place of a node of 1"
-    bigger.shutdown()
     new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
     place = new.claim_vacancy(1, wait_s=0)
     assert place is not None and place.lost == lost.this_node and place.group_rank == 1, place
@@ -198,5 +197,5 @@ def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: Et
 
     other = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
     assert other.claim_vacancy(1, wait_s=0) is None and other.grow_world is None, "a place was taken twice"
-    for h in (first, last, new, other):
+    for h in (first, last, new, other, bigger):
         h.shutdown()
