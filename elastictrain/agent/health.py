@@ -269,6 +269,14 @@ class HealthMonitor:
         pace, step = min(paces, key=lambda p: p[1])
         return max(0, total_steps - step) * pace
 
+    def _pace(self, min_steps: int) -> float | None:
+        """The slowest worker's mean time per step since its first train beat, once every worker that reported
+        one is `min_steps` past it; None before."""
+        paces = [(w.last_beat - w.first_step_at) / (w.step - w.first_step) for w in self.workers.values()
+                 if w.first_step is not None and w.first_step_at is not None and w.last_beat is not None
+                 and w.step is not None and w.step - w.first_step >= min_steps]
+        return max(paces) if paces else None
+
     def step_time(self) -> float | None:
         """The calibrating quantile of observed step times, or None until enough steps were seen."""
         if len(self._step_times) < self.config.calibration_min_steps:
@@ -288,16 +296,23 @@ class HealthMonitor:
                     t = max(c.hang_floor_s, 2 * self._prior[1])
                     return t, (f"2 x the previous group's calibrated timeout {self._prior[1]:.1f}s, until this group "
                                f"calibrates")
-                if len(self._step_times) >= c.provisional_min_steps:
+                enough = len(self._step_times) >= c.provisional_min_steps
+                pace = None if enough else self._pace(c.provisional_min_steps)
+                if enough or pace is not None:
                     # Few samples: their median (the max would be the slowest early step, and 15 x that let a
-                    # worker stopped at step 8 go unnoticed for 20 s), with the longest still kept above.
-                    typical = statistics.median(self._step_times)
+                    # worker stopped at step 8 go unnoticed for 20 s), with the longest still kept above. Fewer
+                    # samples than steps (beats are rate-limited: a group of 30 ms steps sends one every few steps,
+                    # and a save's beat starts a new baseline): the mean pace since the first train beat, saves
+                    # included. Seen: a restarted group stopped 0.4 s into training held to the 600 s warm-up.
+                    typical = statistics.median(self._step_times) if enough else pace
+                    assert typical is not None
+                    what = "median step time" if enough else "mean step time since the first train beat"
                     t = max(c.hang_floor_s, c.provisional_factor * c.step_time_multiplier * typical,
                             c.longest_step_factor * self._longest)
                     return t, (f"provisional timeout {t:.1f}s = max(floor {c.hang_floor_s:g}s, "
-                               f"{c.provisional_factor:g} x {c.step_time_multiplier:g} x median step time "
+                               f"{c.provisional_factor:g} x {c.step_time_multiplier:g} x {what} "
                                f"{typical:.3f}s, {c.longest_step_factor:g} x longest step {self._longest:.3f}s) over "
-                               f"{len(self._step_times)} steps, until {c.calibration_min_steps} calibrate it")
+                               f"{len(self._step_times)} samples, until {c.calibration_min_steps} calibrate it")
                 t = max(c.hang_floor_s, c.warmup_timeout_s)
                 return t, f"warm-up allowance {t:g}s, step time not calibrated yet"
             t = max(c.hang_floor_s, c.step_time_multiplier * st, c.longest_step_factor * self._longest)

@@ -103,6 +103,25 @@ def test_a_hang_in_the_first_20_steps_is_held_to_3x_the_rule_from_5_steps_on_not
     assert m.check(last + 29.9) == [] and m.check(last + 30.1)
 
 
+def test_fast_steps_whose_beats_are_rate_limited_get_the_provisional_rule_from_their_step_count():
+    """30 ms steps, a beat every 4th step only (rate-limited) and a save's beat in between: 2 samples after 9 steps,
+    yet the group is 9 steps past its first train beat. Seen: such a restarted group, stopped 0.4 s into training,
+    was held to the 600 s warm-up allowance and never called hung. Its mean pace sets the provisional rule."""
+    m = HealthMonitor(HealthConfig(hang_floor_s=3.0))
+    m.reset({0: 100}, now=0.0, world_size=2)
+    t = 0.0
+    for s in range(8, 18):
+        if s == 12:
+            beat(m, t, s, phase="save")
+        if s % 4 == 0 or s == 8 or s == 17:
+            beat(m, t, s)
+        t += 0.03
+    timeout, rule = m.timeout_for("train")
+    assert timeout == pytest.approx(3.0) and "mean step time" in rule, rule
+    last = t - 0.03
+    assert m.check(last + 2.9) == [] and m.check(last + 3.1), "a stopped worker was not called hung"
+
+
 def test_calibration_outlives_a_restart_at_the_same_world_size_only():
     """A restarted group is held to twice the previous group's timeout until it calibrates, not to the warm-up
     allowance (20 s here); at another world size the step time changes, so the warm-up allowance applies."""
