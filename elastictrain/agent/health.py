@@ -270,8 +270,8 @@ class HealthMonitor:
         return max(0, total_steps - step) * pace
 
     def _pace(self, min_steps: int) -> float | None:
-        """The slowest worker's mean time per step since its first train beat, once every worker that reported
-        one is `min_steps` past it; None before."""
+        """The mean time per step since the first train beat of the slowest worker that is `min_steps` past it;
+        None while none is."""
         paces = [(w.last_beat - w.first_step_at) / (w.step - w.first_step) for w in self.workers.values()
                  if w.first_step is not None and w.first_step_at is not None and w.last_beat is not None
                  and w.step is not None and w.step - w.first_step >= min_steps]
