@@ -464,8 +464,9 @@ class ElasticAgent(LocalElasticAgent):
         worker_group.state = WorkerState.HEALTHY
         return True
 
-    def _adopt_shrinks(self, worker_group: WorkerGroup) -> None:
-        """The round dropped a lost node in place (its handler says so): this node's workers' new ranks."""
+    def _adopt_world_changes(self, worker_group: WorkerGroup) -> None:
+        """The round dropped a lost node, or took one's place back, in place (its handler says so): this node's
+        workers' new ranks."""
         handler = worker_group.spec.rdzv_handler
         if getattr(handler, "grown", None):
             overrides = adopt_grows(worker_group, self._round_ranks, self._emit)
@@ -602,7 +603,7 @@ class ElasticAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         now = self._clock()
         if self.in_place_store is not None:
-            self._adopt_shrinks(worker_group)
+            self._adopt_world_changes(worker_group)
         if self._channel is not None:
             # Also when the group just failed: the beats a worker sent right before it died say which step it
             # reached (the restart record and crash-loop detection use it). Seen: a worker that crashed 0.15 s

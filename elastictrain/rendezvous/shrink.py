@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.store import EtcdStore
-from elastictrain.rendezvous.vacancy import Vacancy
+from elastictrain.rendezvous.vacancy import Vacancy, listed, take_first
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +119,8 @@ class Shrinks:
     def claim(self, round_number: int, node: str, local_world_size: int) -> Optional[Vacancy]:
         """Take an open place of round `round_number` (a node it shrank around) for `node`, which runs
         `local_world_size` workers; None when there is none (or another node took each one first)."""
-        prefix = f"{self._round(round_number)}/open/"
-        for key, (raw, revision) in sorted(self.client.get_prefix_revisions(prefix).items()):
-            try:
-                place = Vacancy.from_json(raw)
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("ignoring an unreadable open place %s: %s", key, e)
-                continue
-            if place.local_world_size not in (None, local_world_size):
-                log.info("not taking node %s's place: it ran %d workers, this node runs %d", place.lost,
-                         place.local_world_size, local_world_size)
-                continue
-            record = json.dumps({"node": node, "at": time.time()}).encode()
-            if self.client.move(key, revision, f"{self._round(round_number)}/back/{place.lost}", record):
-                return place
-        return None
+        return take_first(self.client, listed(self.client, f"{self._round(round_number)}/open/"), node,
+                          local_world_size, lambda place: f"{self._round(round_number)}/back/{place.lost}")
 
     def grow(self, round_number: int, place: Vacancy, node: str, ranks: dict[str, list[int]]) -> Optional[World]:
         """`node` took lost node `place.lost`'s place (`claim`): record the bigger world of a new generation, in

@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from elastictrain.rendezvous.client import EtcdClient
 
@@ -91,25 +91,11 @@ class Vacancies:
     def claim(self, node: str, local_world_size: int) -> Optional[Vacancy]:
         """Take an open vacancy of `local_world_size` workers for `node` (the lowest group rank first); None when
         there is none or another node took each one first."""
-        for vacancy, revision in sorted(self._listed(), key=lambda vr: vr[0].group_rank):
-            if vacancy.local_world_size not in (None, local_world_size):
-                log.info("not taking lost node %s's place: it ran %d workers, this node runs %d", vacancy.lost,
-                         vacancy.local_world_size, local_world_size)
-                continue
-            record = json.dumps({"node": node, "group_rank": vacancy.group_rank, "at": time.time()}).encode()
-            if self.client.move(f"{self._vacant}{vacancy.group_rank}", revision, f"{self._claimed}{vacancy.lost}",
-                                record):
-                return vacancy
-        return None
+        return take_first(self.client, listed(self.client, self._vacant), node, local_world_size,
+                          lambda v: f"{self._claimed}{v.lost}")
 
     def _listed(self) -> list[tuple[Vacancy, int]]:
-        out = []
-        for key, (value, revision) in self.client.get_prefix_revisions(self._vacant).items():
-            try:
-                out.append((Vacancy.from_json(value), revision))
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("ignoring an unreadable in-place vacancy %s: %s", key, e)
-        return out
+        return [(vacancy, revision) for _, vacancy, revision in listed(self.client, self._vacant)]
 
     def withdraw(self, lost: str) -> bool:
         """Take lost node `lost`'s place off offer (it came back: its lease had lapsed, its workers run on); True
@@ -122,6 +108,32 @@ class Vacancies:
     def clear_claims(self) -> None:
         """Forget old claims (a new round: their nodes are members of it like any other)."""
         self.client.delete_prefix(self._claimed)
+
+
+def listed(client: EtcdClient, prefix: str) -> list[tuple[str, Vacancy, int]]:
+    """The places offered under `prefix`: (key, place, mod revision), the lowest group rank first."""
+    out = []
+    for key, (value, revision) in client.get_prefix_revisions(prefix).items():
+        try:
+            out.append((key, Vacancy.from_json(value), revision))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring an unreadable in-place place %s: %s", key, e)
+    return sorted(out, key=lambda kvr: kvr[1].group_rank)
+
+
+def take_first(client: EtcdClient, places: list[tuple[str, Vacancy, int]], node: str, local_world_size: int,
+               moved_to: Callable[[Vacancy], str]) -> Optional[Vacancy]:
+    """Claim the first of `places` (`listed`) that fits a node of `local_world_size` workers for `node`: its key
+    moved to `moved_to(place)` in one transaction, so two nodes never take the same place. None when none is left."""
+    for key, place, revision in places:
+        if place.local_world_size not in (None, local_world_size):
+            log.info("not taking lost node %s's place: it ran %d workers, this node runs %d", place.lost,
+                     place.local_world_size, local_world_size)
+            continue
+        record = json.dumps({"node": node, "group_rank": place.group_rank, "at": time.time()}).encode()
+        if client.move(key, revision, moved_to(place), record):
+            return place
+    return None
 
 
 def local_world_size_of(round_store: Any, group_rank: int) -> Optional[int]:

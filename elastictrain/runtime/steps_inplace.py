@@ -146,7 +146,7 @@ class InPlaceLoop:
         in_place = w.in_place
         assert in_place is not None
         generation = torch.tensor([in_place.grow_ready or 0], dtype=torch.int64)
-        if w.world_size > 1:  # a rank whose watch has not looked yet takes the others' word for it
+        if w.world_size > 1:  # every rank's watch saw a grow (the flag needs all); the newest one, should they differ
             dist.all_reduce(generation, op=dist.ReduceOp.MAX)
         in_place.grow_ready = None
         step, started = st.step, time.monotonic()
