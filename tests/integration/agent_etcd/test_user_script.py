@@ -126,7 +126,8 @@ def test_a_killed_worker_restarts_the_script_and_the_restart_is_charged_in_etcd(
     assert out.returncode == 0, out.stderr[-6000:]
     assert (tmp_path / "out" / "died").exists()
     used, events = restarts_and_events(etcd.endpoint, run_id)
-    why = [(e.kind, e.fields.get("cause")) for e in events], out.stderr[-4000:]  # seen once in CI: 2 restarts
+    # A string, so pytest shows all of it (it cuts a tuple's repr to 240 characters): seen twice in CI, 2 restarts.
+    why = "\n".join([f"{e.kind}: {e.fields.get('cause')}" for e in events] + [out.stderr[-6000:]])
     assert [(r["rank"], r["world_size"], r["restart"]) for r in _results(tmp_path)] == [(0, 2, 1), (1, 2, 1)], why
     assert used == 1, why
     failure = next(e for e in events if e.kind == "failure")
