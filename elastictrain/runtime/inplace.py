@@ -18,6 +18,7 @@ Workers learn the etcd endpoint from `ENV_IN_PLACE`, set by our agent; without i
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -25,7 +26,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,16 @@ class InPlace:
             self._prefix = f"{etcd.run_prefix}/{GENERATIONS_PREFIX}"
             self._store = generations_store(self._client, etcd.run_prefix)
         return self._store
+
+    def service_ports(self) -> set[int]:
+        """Ports this worker talks to besides its group's peers (etcd, the first group's TCPStore): never shut down
+        at a pause (`shut_group_sockets`)."""
+        from elastictrain.rendezvous.settings import parse_endpoints
+
+        ports = {e.port for e in parse_endpoints(self.settings.endpoint)}
+        if os.environ.get("MASTER_PORT", "").isdigit():
+            ports.add(int(os.environ["MASTER_PORT"]))
+        return ports
 
     def group_store(self, generation: int) -> dist.Store:
         """The c10d store generation `generation`'s default group forms on."""
@@ -349,9 +360,78 @@ class StuckWatch:
                 self._client.close()
 
 
+_group_sockets: set[tuple[int, Any, Any]] = set()
+"""The connected TCP sockets (fd, local, remote address) the current gloo group opened (`tracked_sockets`)."""
+
+
+def _tcp_sockets() -> set[tuple[int, Any, Any, str]]:
+    import psutil
+
+    return {(c.fd, c.laddr, c.raddr, c.status) for c in psutil.Process().net_connections(kind="tcp") if c.fd >= 0}
+
+
+@contextlib.contextmanager
+def tracked_sockets(avoid_ports: set[int]) -> Iterator[None]:
+    """Remember the connections a gloo group opens while it forms (its pairs to every peer), so that a pause can shut
+    them down (`shut_group_sockets`). Not its listener (gloo aborts the process when its accept fails), nor anything
+    to `avoid_ports` (etcd, the first group's TCPStore), which other threads may open meanwhile."""
+    try:
+        before = {s[:3] for s in _tcp_sockets()}
+    except Exception as e:  # noqa: BLE001 - no /proc: the pause still works, peers see it later
+        log.debug("cannot list this process's sockets: %s", e)
+        yield
+        return
+    yield
+    _group_sockets.clear()
+    for fd, laddr, raddr, status in _tcp_sockets():
+        if (fd, laddr, raddr) in before or status == "LISTEN" or not raddr:
+            continue
+        if laddr.port in avoid_ports or raddr.port in avoid_ports:
+            continue
+        _group_sockets.add((fd, laddr, raddr))
+
+
+def shut_group_sockets() -> int:
+    """Shut down the current gloo group's connections (`tracked_sockets`), whatever still references the group.
+
+    A survivor whose collective failed pauses, but its group lives on while FSDP references it, and so do its
+    connections: a peer blocked on *this* rank (not on the dead one) would wait for its collective timeout, and
+    miss the pause (seen with 3 nodes: the third survivor's agent called it hung). gloo's `abort`/`shutdown` do not
+    close them then; shutting the sockets down does, and the peer's collective fails at once ("Connection closed
+    by peer"), so it pauses too. Only sockets still open under the same fd and addresses are touched. Returns how
+    many were shut down."""
+    import socket
+
+    if not _group_sockets:
+        return 0
+    try:
+        now = {s[:3] for s in _tcp_sockets()}
+    except Exception as e:  # noqa: BLE001
+        log.debug("cannot list this process's sockets: %s", e)
+        return 0
+    shut = 0
+    for fd, laddr, raddr in sorted(_group_sockets & now):
+        try:
+            s = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves gloo's fd alone
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # shuts the connection itself, for every fd that refers to it
+            shut += 1
+        except OSError as e:
+            log.debug("shutdown of %s -> %s: %s", laddr, raddr, e)
+        finally:
+            s.close()
+    _group_sockets.clear()
+    if shut:
+        log.info("shut down %d connections of the failed process group: peers blocked on this rank pause too", shut)
+    return shut
+
+
 def abort_groups() -> None:
     """Abort and destroy every process group of this process: pending collectives fail at once, and peers still
     blocked on this rank see their connections close (which is how the failure reaches every survivor)."""
+    shut_group_sockets()
     for pg in list(c10d._world.pg_map):
         try:
             pg.abort()
@@ -362,12 +442,15 @@ def abort_groups() -> None:
 
 
 def init_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
-               device: torch.device) -> None:
+               device: torch.device, avoid_ports: Optional[set[int]] = None) -> None:
     """The default process group of a generation; its name is the first group's ("0") again, so the device mesh,
     which finds its groups by name, uses it without being rebuilt."""
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    if device.type == "cuda":  # NCCL's abort ends pending collectives; its sockets are not ours to shut
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device)
+        return
+    with tracked_sockets(avoid_ports or set()):
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def rebind_fsdp(root: torch.nn.Module) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.config import TrainConfig
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, abort_groups, init_world
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, abort_groups, init_world, tracked_sockets
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,12 @@ class Session:
                     self._move(*place)
                 self.in_place.mark_ready(self.in_place.generation)
                 init_world(self.in_place.group_store(self.in_place.generation), self.rank, self.world_size,
-                           timeout, self.device)
+                           timeout, self.device, self.in_place.service_ports())
             elif "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend=backend, timeout=timeout,
-                                        device_id=self.device if self.device.type == "cuda" else None)
+                with (tracked_sockets(self.in_place.service_ports())
+                      if self.in_place is not None and self.device.type != "cuda" else contextlib.nullcontext()):
+                    dist.init_process_group(backend=backend, timeout=timeout,
+                                            device_id=self.device if self.device.type == "cuda" else None)
             else:
                 # Plain `python -m ...`: a one-process group, so the code path is the same as under torchrun.
                 self._tmp = tempfile.TemporaryDirectory(prefix="elastictrain-pg-")
@@ -116,8 +119,9 @@ class Session:
         if resized:
             assert rank is not None and world_size is not None
             self._move(rank, world_size)
-        init_world(self.in_place.group_store(generation), self.rank, self.world_size,
-                   datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device)
+        timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_s)
+        init_world(self.in_place.group_store(generation), self.rank, self.world_size, timeout, self.device,
+                   self.in_place.service_ports())
         if resized:
             self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         elif self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():

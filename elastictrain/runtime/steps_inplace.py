@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.errors import ConfigError
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, shut_group_sockets
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger("elastictrain.runtime.steps")
@@ -101,6 +101,7 @@ class InPlaceLoop:
         log.warning("a peer failed during step %d (%s): paused in place until its rank is replaced", failed_step,
                     cause)
         w.heartbeat.beat(failed_step, "paused")
+        shut_group_sockets()  # a peer blocked on this rank, not on the failed one, fails too and pauses with us
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None

@@ -200,3 +200,29 @@ def test_a_node_that_scales_a_running_job_up_waits_once_for_a_place_then_joins_a
     assert newcomer.took_over is None
     for h in (a, b, newcomer):
         h.shutdown()
+
+
+def test_a_node_waiting_for_a_place_stops_waiting_as_soon_as_the_survivors_ask_for_a_new_round(
+        etcd: EtcdHandle, run_id: str) -> None:
+    """`claim_vacancy`'s wait (up to the lease's TTL + 5 s) is for a place that may still be offered; once the running
+    round's members leave it for a new one (a loss they could not keep a place for, or any re-form), no place will
+    come, and the node joins the new round at once instead of after the wait."""
+    import threading
+
+    a, b, _ = _form_two(etcd, run_id, hold_s=30, max_nodes=3)
+    newcomer = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_rejoin=30))
+    claims: list = []
+    t = threading.Thread(target=lambda: claims.append(newcomer.claim_vacancy(local_world_size=1)), daemon=True)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "the newcomer did not wait for a place in the running round"
+    left = time.monotonic()
+    rejoin = threading.Thread(target=_rendezvous_all, args=([a, b],), daemon=True)
+    rejoin.start()  # both members leave the round for a new one
+    t.join(timeout=15)
+    ended = time.monotonic() - left
+    assert claims == [None], "a place was claimed where none was lost"
+    assert ended < 3.0, f"the newcomer waited {ended:.1f} s after the round ended (its whole wait is 7 s)"
+    rejoin.join(timeout=30)
+    for h in (a, b, newcomer):
+        h.shutdown()

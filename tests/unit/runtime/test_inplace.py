@@ -99,3 +99,27 @@ def test_a_rebuilt_group_serves_the_same_mesh_and_fsdp_model_and_a_failed_step_l
     _step(reference, ref_optim, 2)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine.full_tensor(), theirs.full_tensor()), "training on the rebuilt group diverged"
+
+
+def test_a_grow_waits_for_a_durable_save_in_flight_but_not_longer_than_its_cap():
+    """`_grow_now`, the flag each rank adds to the step's all_reduce: ready to re-form with a node that joins."""
+    import time
+    from types import SimpleNamespace
+
+    from elastictrain.runtime.inplace import GROW_SAVE_WAIT_S
+    from elastictrain.runtime.steps import StepLoop
+
+    ip = SimpleNamespace(grow_ready=None, grow_ready_at=0.0, generation=3)
+    saver = SimpleNamespace(saving=False)
+    loop = SimpleNamespace(worker=SimpleNamespace(in_place=ip), checkpointer=saver)
+    assert not StepLoop._grow_now(loop), "no node waits to join"
+    ip.grow_ready, ip.grow_ready_at = 5, time.monotonic()
+    assert StepLoop._grow_now(loop), "new workers ready, nothing in flight: re-form at this step"
+    saver.saving = True
+    assert not StepLoop._grow_now(loop), "a durable save in flight: the re-form would wait for it, so train on"
+    ip.grow_ready_at = time.monotonic() - GROW_SAVE_WAIT_S - 1
+    assert StepLoop._grow_now(loop), "the save has had its time: the joining node's workers wait no longer"
+    loop.checkpointer = None
+    assert StepLoop._grow_now(loop)
+    ip.generation = 5
+    assert not StepLoop._grow_now(loop) and ip.grow_ready is None, "already re-formed into that generation"
