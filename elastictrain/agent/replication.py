@@ -117,8 +117,8 @@ class Replicator:
     def replicate(self) -> None:
         """Send each local rank's newest committed snapshot that the ring peer has not confirmed yet."""
         peer = self.peer
-        if peer is None or time.monotonic() < self._retry_at:
-            return
+        if peer is None or time.monotonic() < self._retry_at or self.server.serving:
+            return  # a worker restoring from this node copies a slot: the replica waits, the restore is the hurry
         for rank, rank_dir in self._ranks():
             try:
                 seen = (peer.node, rank_dir.stat().st_mtime_ns)
@@ -147,12 +147,14 @@ class Replicator:
     def _send(self, peer: Peer, rank: int, reader: SlotReader) -> bool:
         step, started = reader.marker["step"], time.monotonic()
         try:
-            confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S, self.rate)
+            confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S, self.rate,
+                             give_way=lambda: self.server.serving > 0 or self._stop.is_set())
         except SnapshotReplicaError as e:
             self._failed(peer, rank, step, e)
             return False
         if confirmed is None:
-            log.debug("rank %d's snapshot of step %d was rewritten while being sent; sending the newer one", rank, step)
+            log.debug("rank %d's snapshot of step %d was rewritten while being sent, or gave way to a restore's copy; "
+                      "sending it again later", rank, step)
             return True
         self._sent[rank] = (peer.node, step, confirmed)
         self._backoff = 0.0

@@ -90,6 +90,8 @@ class ReplicaServer:
         self.folder, self.node, self.token, self.tls = folder, node, token, tls
         self.write_lock = threading.Lock()
         """One replica written at a time (a ring gives a node one sender; this also orders a late retry)."""
+        self._serving = 0
+        self._serving_lock = threading.Lock()
         self._httpd = _HTTPServer(host, self, tls.server_context() if tls is not None else None)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="snapshot-replica-server", daemon=True)
@@ -107,6 +109,16 @@ class ReplicaServer:
         host, port = self.address
         return Peer(node=self.node, host=host, port=port, token=self.token, tls=self.tls is not None,
                     client_tls=self.tls)
+
+    @property
+    def serving(self) -> int:
+        """How many slots are being copied from this server now (a restoring worker's fetch): this node's own
+        replica pushes give way meanwhile (agent/replication.py)."""
+        return self._serving
+
+    def _count_serving(self, n: int) -> None:
+        with self._serving_lock:
+            self._serving += n
 
     def held(self, rank: int) -> list[dict[str, Any]]:
         """Every committed slot of global rank `rank` in the folder: the rank's own, then each replica's."""
@@ -208,7 +220,11 @@ class _Handler(BaseHTTPRequestHandler):
             reader = SlotReader.open(self.owner.folder / rel, int(slot))
         if reader is None:
             return self._answer(404, f"no committed snapshot slot at {self.path}")
-        self._send_slot(reader)
+        self.owner._count_serving(1)
+        try:
+            self._send_slot(reader)
+        finally:
+            self.owner._count_serving(-1)
 
     def _send_slot(self, reader: SlotReader) -> None:
         self.send_response(200)

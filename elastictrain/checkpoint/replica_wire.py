@@ -174,6 +174,10 @@ class WordSum:
         return self._total % (1 << 64)
 
 
+GIVE_WAY_PIECE = 16 << 20
+"""A push that may have to give way (`SlotReader.send`) asks between pieces of this many bytes: a few ms each."""
+
+
 class SlotReader:
     """A committed slot opened for sending: marker and meta read, `chunks()` streams the bytes, `unchanged()` then
     says whether what was streamed is what the marker commits."""
@@ -196,24 +200,28 @@ class SlotReader:
     def nbytes(self) -> int:
         return int(self.marker["nbytes"])
 
-    def send(self, sock: socket.socket, rate: Optional[int] = None) -> None:
+    def send(self, sock: socket.socket, rate: Optional[int] = None,
+             give_way: Optional[Callable[[], bool]] = None) -> bool:
         """Send the slot's bytes on `sock`, copied by the kernel (sendfile): no pass through this process. `rate`:
-        at most that many bytes per second on average (in pieces of a tenth of a second's worth)."""
+        at most that many bytes per second on average (in pieces of a tenth of a second's worth). `give_way`: asked
+        between pieces (of at most `GIVE_WAY_PIECE` bytes); when it says so the send stops there and returns False
+        (the receiver commits nothing). True when every byte went."""
+        piece = max(1 << 16, rate // 10) if rate else (GIVE_WAY_PIECE if give_way is not None else self.nbytes)
+        sent, started = 0, time.monotonic()
         with open(self.rank_dir / f"slot{self.slot}.bin", "rb") as f:
-            if not rate:
-                sent = sock.sendfile(f, 0, self.nbytes) if self.nbytes else 0
-            else:
-                sent, started, piece = 0, time.monotonic(), max(1 << 16, rate // 10)
-                while sent < self.nbytes:
-                    n = sock.sendfile(f, sent, min(piece, self.nbytes - sent))
-                    if n == 0:
-                        break
-                    sent += n
-                    ahead = sent / rate - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
+            while sent < self.nbytes:
+                if give_way is not None and give_way():
+                    return False
+                n = sock.sendfile(f, sent, min(piece, self.nbytes - sent))
+                if n == 0:
+                    break
+                sent += n
+                ahead = sent / rate - (time.monotonic() - started) if rate else 0.0
+                if ahead > 0:
+                    time.sleep(ahead)
         if sent != self.nbytes:
             raise SnapshotReplicaError(f"{self.rank_dir}/slot{self.slot}.bin is shorter than its marker says")
+        return True
 
     def unchanged(self) -> bool:
         return read_marker(self.rank_dir, self.slot) == self.marker
@@ -291,10 +299,10 @@ def parse_slot_headers(headers: Any) -> tuple[dict[str, Any], int]:
 
 
 def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float,
-         rate: Optional[int] = None) -> Optional[int]:
+         rate: Optional[int] = None, give_way: Optional[Callable[[], bool]] = None) -> Optional[int]:
     """Send `reader`'s slot to `peer` as its replica of `source`'s rank `rank` (at most `rate` bytes/s): the checksum
-    the peer confirmed, or None when the slot was rewritten while being sent (the peer committed nothing; send the
-    newer one).
+    the peer confirmed, or None when the slot was rewritten while being sent, or `give_way` stopped the send (the
+    peer committed nothing; send it, or the newer one, later).
 
     SnapshotReplicaError when the peer is unreachable, refuses it, or confirms another checksum.
     """
@@ -304,8 +312,7 @@ def push(peer: Peer, source: str, rank: int, reader: SlotReader, timeout: float,
         for k, v in {**slot_headers(reader), AUTH_HEADER: peer.auth()}.items():
             conn.putheader(k, v)
         conn.endheaders()
-        reader.send(conn.sock, rate)
-        if not reader.unchanged():
+        if not reader.send(conn.sock, rate, give_way) or not reader.unchanged():
             return None  # closing the connection one meta short makes the peer drop what it received
         conn.send(reader.meta)
         resp = conn.getresponse()

@@ -215,3 +215,37 @@ def test_a_bandwidth_cap_spreads_the_replica_over_time_and_it_still_commits_bitw
     assert replica_rate(ElasticConfig()) is None
     with pytest.raises(ConfigError, match="elastic.replica_bandwidth"):
         replica_rate(ElasticConfig(replica_bandwidth="0.5"))
+
+
+def test_a_replica_push_gives_way_to_a_restore_copying_from_this_node_and_commits_nothing_half_sent(
+        tmp_path, server, monkeypatch):
+    """A restoring worker's copy of a slot from this node's agent (a grow in place, a restart) is on the job's
+    critical path; this node's replica push to the same peer is not (seen at 150M: both 1-2 GB copies at once). The
+    agent's server counts the copies it serves, and a push stops between pieces while one runs: the peer drops the
+    part it got, and the push is made again later, whole."""
+    from elastictrain.checkpoint import replica_wire
+
+    store = SnapshotStore(tmp_path / "a", 1, JOB)
+    _, (info,) = _saves(store, 1)
+    monkeypatch.setattr(replica_wire, "GIVE_WAY_PIECE", max(1, info.nbytes // 8))
+    asked = []
+
+    def restore_begins() -> bool:
+        asked.append(1)
+        return len(asked) > 2  # two pieces sent, then a restore starts copying
+    assert push(server.peer(), "node-a", 1, SlotReader.open(store.dir, info.slot), 10,
+                give_way=restore_begins) is None
+    assert len(asked) == 3 and _replicas(server, "node-a", 1) == [], "a half-sent replica was committed"
+    assert push(server.peer(), "node-a", 1, SlotReader.open(store.dir, info.slot), 10,
+                give_way=lambda: False) == info.checksum
+    assert _replicas(server, "node-a", 1) == [info.step]
+
+    seen = []
+    send = SlotReader.send
+
+    def counting(self, *a, **k):
+        seen.append(server.serving)
+        return send(self, *a, **k)
+    monkeypatch.setattr(SlotReader, "send", counting)
+    fetch(server.peer(), f"{REPLICAS_DIR}/node-a/rank1", info.slot, tmp_path / "c" / "rank1", 0, 5)
+    assert seen == [1] and server.serving == 0, "the server counts the copy it serves while it serves it"
