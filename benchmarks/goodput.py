@@ -58,6 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import recovery  # noqa: E402
 from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _trained, recovery_stats  # noqa: E402
 from elastictrain.agent.budget import RestartBudget  # noqa: E402
 from elastictrain.agent.jobstate import collect  # noqa: E402
@@ -77,9 +78,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "goodput"
 DEFAULTS = {"duration": 120.0, "baseline": 60.0, "every": 20.0,
             "systems": "ours:tuned,stock:defaults,ours:defaults,stock:tuned"}
 QUICK = {"duration": 24.0, "baseline": 8.0, "every": 12.0, "systems": "ours:tuned,stock:defaults"}
-WORKLOAD = ("recipe elastictrain.recipes.lm, tiny Llama (hidden 32, 2 layers), synthetic data, seq 16, global batch 8, "
-            "FSDP2 on gloo; 2 nodes x 1 worker on localhost (--nnodes 1:2), DCP checkpoint every 10 steps, "
-            "sample ledger on (benchmarks/recovery.py Job)")
+WORKLOAD = ("recipe elastictrain.recipes.lm, tiny Llama (hidden 32, 2 layers; --size: meta.size), synthetic data, "
+            "seq 16, global batch 8, FSDP2 on gloo; 2 nodes x 1 worker on localhost (--nnodes 1:2), DCP checkpoint "
+            "every 10 steps, sample ledger on (benchmarks/recovery.py Job)")
 
 
 @dataclass
@@ -447,6 +448,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", help=f"system:conf list, confs from recovery.py's CONFS ({DEFAULTS['systems']})")
     p.add_argument("--start-attempts", type=int, default=3, help="starts tried when a job splits into two")
+    p.add_argument("--size", default="tiny", help="the model, of scale.py's SIZES (tiny, 50m, 150m; default tiny: "
+                   "the chaos tests' model and data); another size also takes scale.py's data shape")
     p.add_argument("--quick", action="store_true", help=f"smoke run: defaults {QUICK}, output under /tmp")
     p.add_argument("--out", help="output path without suffix (default benchmarks/results/goodput)")
     p.add_argument("--plot-only", action="store_true", help="recompute the summary and redraw the PNG from the "
@@ -471,6 +474,12 @@ def main() -> None:
         out.with_suffix(".json").write_text(_dumps(result))
         plot(result, out.with_suffix(".png"))
         return
+    from benchmarks.scale import DATA, SIZES, model_size
+
+    if args.size not in SIZES:
+        p.error(f"--size takes one of {', '.join(SIZES)}, not {args.size!r}")
+    if args.size != "tiny":
+        recovery.EXTRA_SETS[:] = [*(f"model.overrides.{k}={v}" for k, v in SIZES[args.size].items()), *DATA]
     kinds = args.faults.split(",")
     if not set(kinds) <= {"worker", "node"}:
         p.error(f"--faults takes worker and/or node, not {args.faults!r}")
@@ -487,6 +496,7 @@ def main() -> None:
         "git": _git(), "torch": torch.__version__, "python": sys.version.split()[0], "cpus": psutil.cpu_count(),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "note": args.note, "workload": WORKLOAD, "systems": systems,
+        "size": {"name": args.size, **model_size(args.size), "sets": list(recovery.EXTRA_SETS)},
         "confs": {s: CONFS[s.split(":")[0]][s.split(":")[1]] for s in systems},
         "settings": {"duration_s": args.duration, "baseline_s": args.baseline, "every_s": args.every,
                      "jitter": args.jitter, "faults": args.faults, "rejoin_after_s": args.rejoin_after,

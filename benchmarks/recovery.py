@@ -64,6 +64,10 @@ CKPT_EVERY = 10
 FAULT_OFFSET = 5
 """Default --fault-offset: mid-interval, so a checkpoint's async commit has landed well before the fault."""
 
+EXTRA_SETS: list[str] = []
+"""More `--set`s for every job, after FAST's (later ones win): goodput.py's `--size` puts a bigger model's shape and
+scale.py's data shape here."""
+
 CONFS: dict[str, dict] = {
     "ours": {
         # elastic.* defaults of the config: lease_ttl 5 s, join grace (last call) 10 s, hang floor 30 s
@@ -187,7 +191,7 @@ class Job:
         self.watch = LedgerWatch(self.out / "samples")
 
     def command(self, name: str) -> list[str]:
-        sets = [*FAST, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt",
+        sets = [*FAST, *EXTRA_SETS, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt",
                 f"checkpoint.every_steps={CKPT_EVERY}",
                 "checkpoint.keep_last=2", "train.steps=100000", "train.audit_samples=true"]
         flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "100"]
