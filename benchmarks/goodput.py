@@ -273,6 +273,7 @@ def time_ledger(records: dict, wall_offset: float, r: dict, t0: float, t_end: fl
                until_step=r["window_end_step"] + 1)
     speed = (r["decomposition"] or {}).get("speed_while_training")
     return {"ettr_job": led.get("ettr"), "wall_s_job": led.get("wall_s"), "buckets_job": led.get("buckets"),
+            "faults_job": led.get("faults"),
             "window": w, "ettr_window": w["ettr"], "productive_window": w["productive"],
             "productive_minus_goodput": round(w["productive"] - r["goodput"], 3)
             if w["productive"] is not None and r["goodput"] is not None else None,
