@@ -312,3 +312,42 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
                                                        if int(k) > grew_at}}, replay)
     finally:
         job.teardown()
+
+
+def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_back_and_is_not_a_second_job(
+        tmp_path, etcd, run_id):
+    """goodput.py's schedule (a worker kill, then a node kill, then the node back) once made the node that came back
+    form a round of its own, world size 1, beside the survivor's shrunk round: two jobs on the same checkpoints (seen
+    once at the tiny model, not reproduced since; docs/agent.md). Here: b's worker SIGKILLed (replaced in place), then
+    b SIGKILLed for good (a goes on alone in place), then b started again: it grows the world back in place, and no
+    round forms after the first. (a alone steps slowly, so that the grow comes before the job's end: a grow still
+    pending when the survivors finish is not handled yet.)"""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
+        b = job.start_node("b")
+        job.wait_for_step(FAULT_STEP, world_size=2)
+        job.wait_workers(b)
+        saved = job.valid_checkpoints()
+        signal_worker(b.pid, signal.SIGKILL)
+        _wait_for_event(job, lambda e: e.kind == "in_place_resumed")
+        job.wait_workers(b)
+        time.sleep(1.0)
+        b.kill()
+        for folder in snapshot_base().glob(f"*-{b.pid}"):
+            shutil.rmtree(folder)
+        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+        b = job.start_node("b")
+        assert job.wait([a, b]) == [0, 0], job.logs()
+        evs = events(job)
+        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        assert not [e for e in evs if e.kind == "join" and e.fields["agent_pid"] == b.pid and
+                    e.fields.get("world_size") == 1], f"the node that came back formed a round of its own\n{dump}"
+        assert {e.fields["agent_pid"] for e in evs if e.kind == "grow"} == {a.pid, b.pid}, dump
+        resumed = [e for e in evs if e.kind == "in_place_resumed"]
+        assert [(e.fields.get("from_world_size"), e.fields.get("to_world_size")) for e in resumed] == \
+            [(None, None), (2, 1), (1, 2)], dump
+        shrunk_at, grew_at = resumed[1].fields["step"], resumed[2].fields["step"]
+        assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
+    finally:
+        job.teardown()
