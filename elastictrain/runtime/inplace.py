@@ -424,7 +424,7 @@ def shut_group_sockets() -> int:
             s.close()
     _group_sockets.clear()
     if shut:
-        log.info("shut down %d connections of the failed process group: peers blocked on this rank pause too", shut)
+        log.info("shut down %d connections of the old process group: peers blocked on this rank stop waiting", shut)
     return shut
 
 
