@@ -15,6 +15,7 @@ rebuilds, and files stream as they are. Requests carry the token the server publ
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -26,7 +27,7 @@ import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from socketserver import TCPServer, ThreadingMixIn
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from elastictrain.checkpoint.replica_tls import ReplicaTLS
 from elastictrain.checkpoint.replica_wire import (
@@ -116,9 +117,16 @@ class ReplicaServer:
         replica pushes give way meanwhile (agent/replication.py)."""
         return self._serving
 
-    def _count_serving(self, n: int) -> None:
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Counted in `serving` while a slot is being sent to a restoring worker."""
         with self._serving_lock:
-            self._serving += n
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._serving_lock:
+                self._serving -= 1
 
     def held(self, rank: int) -> list[dict[str, Any]]:
         """Every committed slot of global rank `rank` in the folder: the rank's own, then each replica's."""
@@ -220,11 +228,8 @@ class _Handler(BaseHTTPRequestHandler):
             reader = SlotReader.open(self.owner.folder / rel, int(slot))
         if reader is None:
             return self._answer(404, f"no committed snapshot slot at {self.path}")
-        self.owner._count_serving(1)
-        try:
+        with self.owner.copying():
             self._send_slot(reader)
-        finally:
-            self.owner._count_serving(-1)
 
     def _send_slot(self, reader: SlotReader) -> None:
         self.send_response(200)
