@@ -498,8 +498,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def _keep_alive(self) -> None:
         # torch's heartbeat holds the lock the monitor loop needs; never let it block for a long outage.
-        with self._client.tolerance(_PERIODIC_TOLERANCE_S):
-            super()._keep_alive()
+        try:
+            with self._client.tolerance(_PERIODIC_TOLERANCE_S):
+                super()._keep_alive()
+        except Exception as e:  # noqa: BLE001 - torch's timer thread ends at the first error it does not catch
+            # torch catches only RendezvousError here, and its timer thread stops for good at any other: the node
+            # would never beat again while its lease (the liveness that counts, state.py) still said it lives.
+            logger.warning("rendezvous heartbeat of node %s failed (%s); trying again in %.0f s", self.this_node, e,
+                           self._settings.keep_alive_interval.total_seconds())
 
     def shutdown(self) -> bool:
         """Close the rendezvous, then release the lease and the connection."""

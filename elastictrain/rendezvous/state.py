@@ -90,6 +90,7 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         self._client: EtcdClient | None = None
         self._watch_broken = False
         self._last_watch_attempt = 0.0
+        self._vouched: set[str] = set()
 
     def watch(self, client: EtcdClient) -> None:
         """Start watching the state key; without the watch, waits fall back to 1 s polling."""
@@ -134,6 +135,7 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         return super().sync()
 
     def _sanitize(self) -> None:
+        self._vouch_for_leased()
         super()._sanitize()
         state: _RendezvousState = self._state
         known = set(state.last_heartbeats) | set(state.participants) | state.wait_list | state.redundancy_list
@@ -153,6 +155,35 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
             self._dead_nodes.append(node)
         if participant_removed:
             _remove_participant_epilogue(state, self._settings)
+
+
+    def _vouch_for_leased(self) -> None:
+        """Keep a node whose torch heartbeat in the state is stale while its etcd lease lives.
+
+        torch's `_sanitize` drops a node whose last heartbeat (a timestamp its agent's timer thread rewrites into the
+        state every `keep_alive_interval`, only once the last one is that old) is older than `keep_alive_interval *
+        keep_alive_max_attempt`: at the defaults a live node's timestamp is up to 10 s old, so one late or skipped
+        beat (an agent starved of CPU, an etcd write over the heartbeat's 0.5 s tolerance) reaches 15 s. A node that
+        read the state then saw a running round without that member: if it was the round's only member left (a
+        survivor training alone after a node loss), the round looked over, and a node started then formed a round of
+        its own beside it, a split (seen once, goodput run). The lease is the liveness signal here; a node whose
+        record lives is alive, whatever its timestamp says."""
+        state: _RendezvousState = self._state
+        expire = datetime.now(timezone.utc) - self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        stale = [n for n, beat in state.last_heartbeats.items() if beat < expire]
+        if not stale:
+            return
+        alive = self._liveness.alive_nodes()
+        now = datetime.now(timezone.utc)
+        for node in stale:
+            name = node_id(node)
+            if name not in alive:
+                continue
+            if name not in self._vouched:
+                self._vouched.add(name)
+                logger.info("node %s's rendezvous heartbeat is %.0f s old, but its etcd lease lives: keeping it",
+                            name, (now - state.last_heartbeats[node]).total_seconds())
+            state.last_heartbeats[node] = now
 
 
 class WatchingOpExecutor(_DistributedRendezvousOpExecutor):

@@ -199,3 +199,34 @@ def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: Et
     assert other.claim_vacancy(1, wait_s=0) is None and other.grow_world is None, "a place was taken twice"
     for h in (first, last, new, other, bigger):
         h.shutdown()
+
+
+def test_a_survivor_whose_torch_heartbeat_is_stale_still_runs_the_round_a_new_node_grows(etcd: EtcdHandle,
+                                                                                          run_id: str) -> None:
+    """The split seen once in a goodput run: node b lost for good, survivor a trains alone in the shrunk round, and
+    a's heartbeat timestamp in torch's state goes stale (its timer thread late or stopped) while its etcd lease lives.
+    torch's sanitizer then drops a from every fresh read of the state: the round looked over, and b started again
+    formed a 1-node round of its own beside a. The lease decides liveness: b takes its place back in a's round."""
+    conf = {"in_place_shrink": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 2}
+    handlers = [create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, **conf)) for _ in range(2)]
+    for h in handlers:
+        h.workers_paused = lambda: True
+    infos = _rendezvous_all(handlers)
+    for info in infos:
+        info.store.set(f"torchelastic/role_info/{info.rank}",
+                       json.dumps({"role": "default", "rank": info.rank, "local_world_size": 1}))
+    survivor, lost = sorted(handlers, key=lambda h: h._round[1][h.this_node])
+    _kill_without_goodbye(lost)
+    _until_dropped(survivor)
+    survivor._stop_heartbeats()  # its lease lives on; its torch heartbeat does not
+    time.sleep(3.0)  # past keep_alive_interval * keep_alive_max_attempt
+
+    new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, **conf))
+    place = new.claim_vacancy(1, wait_s=2)
+    assert place is not None and place.lost == lost.this_node, (
+        "the new node found no running round while the survivor's lease lived: it would form a round of its own")
+    info = new.next_rendezvous()
+    assert (info.rank, info.world_size) == (1, 2), (info.rank, info.world_size)
+    assert survivor.num_nodes_waiting() == 0
+    for h in (survivor, new):
+        h.shutdown()
