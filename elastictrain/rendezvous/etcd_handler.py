@@ -31,7 +31,7 @@ import logging
 import os
 import pickle
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 import torch.distributed as dist
@@ -279,7 +279,40 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._shrunk_round = self.grow_world is not None
         if self.grow_world is not None:
             self._grown_seen = {claim.lost}
+        self._enter_state(claim)
+        self._start_heartbeats()
         return RendezvousInfo(store, claim.group_rank, claim.group_world_size, RendezvousStoreInfo(addr, port))
+
+    def _enter_state(self, claim: Vacancy) -> None:
+        """Become a participant of the running round in torch's rendezvous state, in the lost node's place.
+
+        Without it a node that took a place in place trained in the round while the state named only the members
+        that formed it: once those were all lost too (their leases gone), the state showed no running round, and a
+        node started then formed a round of its own beside the one still training (a split, seen once in a goodput
+        run: node a taken over in place, then node b lost and started again). As a participant, with its heartbeat
+        and lease, this node keeps the round alive in the state like any member, and leaves it like one."""
+        for _ in range(_ENTER_STATE_TRIES):
+            try:
+                self._state_holder.sync()
+                state = self._state_holder.state
+                if state.round != claim.round or not state.complete or state.closed:
+                    logger.warning("round %d is over (the rendezvous is at round %d); this node trains in it "
+                                   "without being named in its state", claim.round, state.round)
+                    return
+                for node in [n for n in state.participants if node_id(n) == claim.lost]:
+                    del state.participants[node]
+                    state.last_heartbeats.pop(node, None)
+                state.participants[self._this_node] = claim.group_rank
+                state.last_heartbeats[self._this_node] = datetime.now(timezone.utc)
+                state.wait_list.discard(self._this_node)
+                self._state_holder.mark_dirty()
+                if self._state_holder.sync():
+                    return
+            except Exception as e:  # noqa: BLE001 - etcd errors come in several types; the round still trains
+                logger.warning("could not name this node in round %d's state (%s)", claim.round, e)
+                return
+        logger.warning("could not name this node in round %d's state: %d writes lost a race", claim.round,
+                       _ENTER_STATE_TRIES)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join plus members of the current round that lost their lease.
@@ -540,6 +573,7 @@ def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: Etc
 
 
 _PRUNED_ROUND_RETRIES = 3
+_ENTER_STATE_TRIES = 10
 
 
 def pruned_after_completion(ranks: list[int], min_nodes: int) -> str | None:

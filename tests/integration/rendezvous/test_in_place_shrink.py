@@ -230,3 +230,34 @@ def test_a_survivor_whose_torch_heartbeat_is_stale_still_runs_the_round_a_new_no
     assert survivor.num_nodes_waiting() == 0
     for h in (survivor, new):
         h.shutdown()
+
+
+def test_a_node_that_grew_the_round_keeps_it_running_after_every_original_member_is_lost(etcd: EtcdHandle,
+                                                                                         run_id: str) -> None:
+    """The split's other path: b lost, b2 takes its place back in place; then a (the last node that formed the round)
+    is lost too and b2 trains alone. b2 is named in the rendezvous state in b's place, so a2 started then finds the
+    round running and takes a's place; it used to find no running round (the state named only a and b, both gone)
+    and form a round of its own beside b2."""
+    a, b = _form(etcd, run_id, 2, [1, 1])
+    _kill_without_goodbye(b)
+    _until_dropped(a)
+    b2 = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+    b2.workers_paused = lambda: True
+    assert b2.claim_vacancy(1, wait_s=0) is not None
+    assert (b2.next_rendezvous().rank, b2.grow_world.size) == (1, 2)
+    start = time.monotonic()
+    while not a.grown:
+        assert a.num_nodes_waiting() == 0 and time.monotonic() - start < 10
+        time.sleep(0.1)
+
+    _kill_without_goodbye(a)
+    _until_dropped(b2)
+    a2 = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+    place = a2.claim_vacancy(1, wait_s=2)
+    assert place is not None and place.lost == a.this_node, (
+        "the node started after both original members were lost found no running round: it would train beside b2")
+    info = a2.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 2), (info.rank, info.world_size)
+    assert b2.num_nodes_waiting() == 0
+    for h in (b2, a2):
+        h.shutdown()
