@@ -39,7 +39,7 @@ from elastictrain.agent.budget import (
     fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
-from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, renumber
+from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, finished, record_finished, renumber
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
@@ -57,6 +57,9 @@ from elastictrain.runtime.heartbeat import (
 from elastictrain.runtime.inplace import ENV_GENERATION, next_generation
 
 log = logging.getLogger(__name__)
+
+_GROW_CHECK_S = 0.5
+"""How often an agent whose workers wait to grow a shrunk round back reads whether the job finished meanwhile."""
 
 SPARE_WARMUP_WAIT_S = 120.0
 """The longest an agent delays its first rendezvous for its spare workers' imports."""
@@ -201,6 +204,9 @@ class ElasticAgent(LocalElasticAgent):
         self.in_place_store: Any = None
         """With `elastic.in_place`: the run's generation counter in etcd (runtime/inplace.py); a failed worker is then
         replaced alone while its peers wait in place. Set before `run`."""
+        self._grow_pending: tuple[int, int] | None = None
+        """(round, generation) while this node's workers, started to grow a shrunk round back, have not trained yet."""
+        self._grow_checked = 0.0
         self._rendezvoused = False
         """A node takes a lost node's place in place (rendezvous/vacancy.py) only at its first rendezvous."""
         self.peer_step_times: dict[int, float] = {}
@@ -314,6 +320,7 @@ class ElasticAgent(LocalElasticAgent):
         if self._warm is not None:
             log.info("workers started (%d from pre-warmed spares so far, %d cold)", self._warm.served,
                      self._warm.cold)
+        self._grow_pending = (took_over.round, grow.generation) if grow is not None else None
         if grow is not None:
             ranks = sorted(w.global_rank for w in worker_group.workers)
             log.warning("took lost node %s's place in the shrunk round in place: ranks %s of %d (generation %d)",
@@ -575,10 +582,49 @@ class ElasticAgent(LocalElasticAgent):
             self._pending_hang = []
         super()._stop_workers(worker_group)
 
+    def _grow_finished(self, now: float) -> bool:
+        """Whether the job finished while this node's workers still wait to grow the round back (they never trained):
+        the survivors finished without them, and would wait for this node in the exit barrier while they wait for a
+        group that never forms. Read from etcd at most every `_GROW_CHECK_S`."""
+        assert self._grow_pending is not None
+        if any(w.step is not None for w in self._health.workers.values()):
+            self._grow_pending = None  # they joined the bigger world and train: they finish with it
+            return False
+        if now - self._grow_checked < _GROW_CHECK_S:
+            return False
+        self._grow_checked = now
+        try:
+            return finished(self.in_place_store, self._grow_pending[0])
+        except Exception as e:  # noqa: BLE001 - etcd blinked: look again at the next check
+            log.debug("could not read whether the job finished: %s", e)
+            return False
+
+    def _abandon_grow(self, worker_group: WorkerGroup) -> RunResult:
+        """The job finished before this node's workers joined it: stop them; this node is done too."""
+        assert self._grow_pending is not None
+        round_number, generation = self._grow_pending
+        self._grow_pending = None
+        log.warning("the job finished in round %d before this node's workers joined it (the grow of generation %d "
+                    "never re-formed): stopping them", round_number, generation)
+        self._emit("grow_abandoned", cause="the job finished before the grow re-formed the group",
+                   generation=generation)
+        worker_group.state = WorkerState.SUCCEEDED  # not a drain: nothing to leave in place
+        self._signal_workers(signal.SIGKILL)
+        self._stop_workers(worker_group)
+        self._emit("succeeded")
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
+
     def _exit_barrier(self) -> None:
+        handler = self._worker_group.spec.rdzv_handler
+        round_number = getattr(handler, "round_number", None)
+        if self.in_place_store is not None and round_number is not None:
+            try:  # a node that came to grow the round back, its workers not yet in the group, stops waiting for it
+                record_finished(self.in_place_store, round_number)
+            except Exception as e:  # noqa: BLE001 - etcd errors come in several types; a grow then waits it out
+                log.warning("could not record in etcd that the job finished: %s", e)
         # After a smaller world in place, the round's nodes that left it never reach the barrier: count them out
         # (seen: a survivor that finished right after a peer's drain waited out the barrier's 300 s for it).
-        members_left = getattr(self._worker_group.spec.rdzv_handler, "members_left", None)
+        members_left = getattr(handler, "members_left", None)
         if self.in_place_store is not None and members_left is not None:
             try:
                 left = members_left()
@@ -612,6 +658,8 @@ class ElasticAgent(LocalElasticAgent):
             for beat in beats:
                 self._health.record(beat, now)
             self._emit_worker_events(events)
+        if result.state == WorkerState.HEALTHY and self._grow_pending is not None and self._grow_finished(now):
+            return self._abandon_grow(worker_group)
         if result.state == WorkerState.HEALTHY:
             held_up = now - self._last_tick if self._last_tick is not None else 0.0
             self._last_tick = now

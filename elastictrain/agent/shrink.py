@@ -93,3 +93,20 @@ def adopt_grows(worker_group: WorkerGroup, round_ranks: dict[int, int],
          from_world_size=old_world, global_ranks={w.local_rank: w.global_rank for w in worker_group.workers},
          recorded_here=False)
     return overrides
+
+
+FINISHED = "finished"
+"""Under the run's in-place prefix: `finished/<round>`, written by a node whose workers finished the job in that round
+(the generation counter then as its value). A node whose workers wait to grow the round back reads it."""
+
+
+def record_finished(store: Any, round_number: int) -> None:
+    """This node's workers finished the job in round `round_number`: say so to a node that grows the round back."""
+    from elastictrain.runtime.inplace import current_generation
+
+    store.set(f"{FINISHED}/{round_number}", str(current_generation(store)))
+
+
+def finished(store: Any, round_number: int) -> bool:
+    """Whether a node's workers finished the job in round `round_number`."""
+    return bool(store.check([f"{FINISHED}/{round_number}"]))

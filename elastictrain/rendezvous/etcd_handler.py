@@ -52,6 +52,7 @@ from elastictrain.rendezvous.backend import EtcdV3Backend
 from elastictrain.rendezvous.client import EtcdClient, EtcdUnavailableError
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import DEFAULTS, EtcdSettings, conf_flag, conf_seconds
+from elastictrain.rendezvous.shrink import PREFIX as IN_PLACE_PREFIX
 from elastictrain.rendezvous.shrink import Shrinks, World, round_ranks
 from elastictrain.rendezvous.state import LeaseAwareStateHolder, WatchingOpExecutor, node_id
 from elastictrain.rendezvous.store import EtcdStore
@@ -381,6 +382,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                        local_world_size=local_world_size_of(self._wrap_store(self._store), rank),
                        ranks={n: r for n, r in ranks.items() if n != node}, offered_at=time.time())
 
+    @property
+    def round_number(self) -> int | None:
+        """The rendezvous round this node's workers run in (also after taking a place in place); None before one."""
+        return self._round[0] if self._round is not None else None
+
     def round_ranks(self) -> dict[str, list[int]] | None:
         """Every member's global ranks in the running round (lost members included); None when not known."""
         if self._round is None:
@@ -569,6 +575,9 @@ def _reset_if_finished(client: EtcdClient, backend: EtcdV3Backend, settings: Etc
         return
     if client.delete_if_revision(backend.key, current[1]):
         client.delete_prefix(f"{settings.run_prefix}/store/")
+        # The in-place records are keyed by round, and the new job numbers its rounds from 0 again: an old job's
+        # shrinks, places and `finished/<round>` would name the new job's nodes (rendezvous/shrink.py, agent/shrink.py).
+        client.delete_prefix(f"{settings.run_prefix}/{IN_PLACE_PREFIX}/")
         logger.info("cleared the finished rendezvous of an earlier job with run id '%s'", settings.run_id)
 
 

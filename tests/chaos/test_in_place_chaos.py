@@ -6,6 +6,7 @@ ends bitwise-equal to an uninterrupted run. A lost node whose place is not held 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -318,10 +319,10 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
         tmp_path, etcd, run_id):
     """goodput.py's schedule (a worker kill, then a node kill, then the node back) once made the node that came back
     form a round of its own, world size 1, beside the survivor's shrunk round: two jobs on the same checkpoints (seen
-    once at the tiny model, not reproduced since; docs/agent.md). Here: b's worker SIGKILLed (replaced in place), then
-    b SIGKILLed for good (a goes on alone in place), then b started again: it grows the world back in place, and no
-    round forms after the first. (a alone steps slowly, so that the grow comes before the job's end: a grow still
-    pending when the survivors finish is not handled yet.)"""
+    once at the tiny model; its cause, fixed, is pinned in rendezvous/test_in_place_shrink.py). Here: b's worker
+    SIGKILLed (replaced in place), then b SIGKILLed for good (a goes on alone in place), then b started again: it grows
+    the world back in place, and no round forms after the first. (a alone steps slowly, so that the grow comes before
+    the job's end; the next test covers a grow still pending at the end.)"""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
         a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
@@ -349,5 +350,38 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
             [(None, None), (2, 1), (1, 2)], dump
         shrunk_at, grew_at = resumed[1].fields["step"], resumed[2].fields["step"]
         assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
+    finally:
+        job.teardown()
+
+
+def test_the_job_finishing_before_a_pending_grow_re_forms_ends_every_node(tmp_path, etcd, run_id):
+    """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its workers
+    are not ready before a finishes the job (here they are SIGSTOPped before they can be). a's agent waits in the exit
+    barrier for b, which had taken a place in the round, and b's workers wait for a group that never forms: this hung
+    for the barrier's 300 s. Now a's agent records the job finished, and b's agent stops its workers and ends with it:
+    both nodes exit 0, the job is complete and exactly-once."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
+        b = job.start_node("b")
+        job.wait_for_step(FAULT_STEP, world_size=2)
+        job.wait_workers(b)
+        saved = job.valid_checkpoints()
+        b.kill()
+        for folder in snapshot_base().glob(f"*-{b.pid}"):
+            shutil.rmtree(folder)
+        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+        b = job.start_node("b")
+        for pid in job.wait_workers(b).values():  # before they import torch, long before they are ready
+            os.kill(pid, signal.SIGSTOP)
+        assert job.wait([a, b], timeout=120) == [0, 0], job.logs()
+        evs = events(job)
+        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        assert [e.kind for e in evs if e.fields.get("agent_pid") == b.pid and e.kind in ("grow", "grow_abandoned")] \
+            == ["grow", "grow_abandoned"], dump
+        resumed = [e for e in evs if e.kind == "in_place_resumed"]
+        assert [e.fields.get("to_world_size") for e in resumed] == [1], dump
+        shrunk_at = resumed[0].fields["step"]
+        assert_recovered(job, saved, {s: 2 if s < shrunk_at else 1 for s in range(STEPS)})
     finally:
         job.teardown()

@@ -191,10 +191,14 @@ def test_etcd_outage_of_a_few_seconds_is_ridden_out(etcd_private: EtcdHandle, ru
 def test_a_finished_run_id_can_be_reused(etcd: EtcdHandle, run_id: str) -> None:
     handler = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 1))
     handler.next_rendezvous()
+    # The old job's in-place records are keyed by round; the new job numbers its rounds from 0 again.
+    old = f"{handler._client.settings.run_prefix}/inplace/finished/{handler.round_number}"
+    handler._client.put(old, b"3")
     handler.set_closed()
     handler.shutdown()
     again = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 1))
     assert again.next_rendezvous().world_size == 1
+    assert again._client.get(old) is None, "an earlier job's in-place record would be read as the new job's"
     again.shutdown()
 
 
