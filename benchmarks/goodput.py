@@ -129,7 +129,10 @@ def run_window(job: Job, faults: list[Fault], t0: float, duration: float, rejoin
             pending_rejoin = None
         if queue and now >= t0 + queue[0].at_s:
             f = queue[0]
-            node = nodes[f.node]
+            node = nodes.get(f.node)
+            if node is None:  # not running when the window opened (seen once: KeyError 'b'): it starts at a rejoin
+                time.sleep(0.02)
+                continue
             # a fault hits running processes: wait for the target's workers (a restart may be under way)
             # unlike recovery.py, no waiting for ours' pre-warmed spares: a steady fault rate hits whatever runs
             spares = {n: list(idle_spares(x.pid)) for n, x in nodes.items()} if job.system == "ours" else None
