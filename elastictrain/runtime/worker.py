@@ -18,8 +18,10 @@ run's ending into the exit code the agent acts on: an `ElastictrainError` that r
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import logging
+import os
 import signal
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -35,7 +37,7 @@ from elastictrain.logs import setup_logging
 from elastictrain.runtime.control import WorkerControl
 from elastictrain.runtime.determinism import configure_determinism, seed_everything
 from elastictrain.runtime.exitcodes import EXIT_NO_IN_PLACE, EXIT_REFORM, exit_fatal
-from elastictrain.runtime.heartbeat import MAX_SECTIONS, Heartbeat, section_phase
+from elastictrain.runtime.heartbeat import ENV_AGENT_PID, MAX_SECTIONS, Heartbeat, section_phase
 from elastictrain.runtime.inplace import InPlace, InPlaceFailed, WorldShrank, is_peer_failure, rebind_fsdp
 from elastictrain.runtime.session import RankInfo, Session
 from elastictrain.runtime.steps import StepHook, StepLoop
@@ -44,6 +46,13 @@ from elastictrain.runtime.train_state import TrainState
 log = logging.getLogger(__name__)
 
 _LAST_BARRIER_S = 60.0
+
+def _stacks_on_sigusr1() -> None:
+    """Under our agent, `kill -USR1 <worker pid>` writes every thread's Python stack to the worker's stderr (the
+    agent's log): where a stuck worker waits, without a debugger. Left alone when the script handles SIGUSR1."""
+    if os.environ.get(ENV_AGENT_PID) and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; acted on at the next step boundary, agreed by all ranks."""
@@ -91,6 +100,7 @@ class Worker:
         # The doorbell handler first: the agent rings only workers that sent a heartbeat (runtime/control.py).
         self.control = WorkerControl.from_env()
         self.heartbeat = Heartbeat.from_env()
+        _stacks_on_sigusr1()
         self.stop_flag.install()
         configure_determinism(self._train_cfg.deterministic)
         self.session = Session(self._train_cfg).start()

@@ -9,6 +9,8 @@ summary.json is written by rank 0 of the final group).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -191,6 +193,18 @@ class Job:
         wanted = {s: expected[s - 1] for s in written if s > 0}
         assert {s: w for s, w in written.items() if s > 0} == wanted, \
             f"checkpoints written at world sizes {sorted(written.items())}, expected {sorted(wanted.items())}"
+
+    def dump_stacks(self) -> None:
+        """Every live worker writes its threads' Python stacks into its node's log (SIGUSR1, runtime/worker.py): for
+        a test that gives up on a stuck job, before it reads the logs."""
+        for n in self.nodes:
+            if n.alive():
+                for pid in n.workers().values():
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        continue
+        time.sleep(1.0)
 
     def teardown(self) -> None:
         for n in self.nodes:

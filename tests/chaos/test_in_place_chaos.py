@@ -256,7 +256,9 @@ def _wait_for_event(job: Job, what, timeout: float = 90) -> list:
         evs = events(job)
         if any(what(e) for e in evs):
             return evs
-        assert time.monotonic() - start < timeout, "\n".join(json.dumps(event_dict(e)) for e in evs)
+        if time.monotonic() - start >= timeout:
+            job.dump_stacks()  # where the stuck worker waits, in the agents' logs under the test's tmp_path
+            raise AssertionError("\n".join(json.dumps(event_dict(e)) for e in evs))
         time.sleep(0.25)
 
 
