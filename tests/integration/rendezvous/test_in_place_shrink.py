@@ -261,3 +261,35 @@ def test_a_node_that_grew_the_round_keeps_it_running_after_every_original_member
     assert b2.num_nodes_waiting() == 0
     for h in (b2, a2):
         h.shutdown()
+
+
+def test_a_node_growing_the_round_a_second_time_does_not_count_the_first_grower(etcd: EtcdHandle,
+                                                                                run_id: str) -> None:
+    """b lost, b2 takes its place back; b2 lost, b3 takes its place back. b3 must not read b2's grow (b2 took b's
+    place) as news: it counted b2, long dead, as a member and asked for a new round once its doubt ran out (seen in a
+    goodput run: a drain and a new round 5 s after every second grow)."""
+    a, b = _form(etcd, run_id, 2, [1, 1])
+    nodes = [b]
+    for _ in range(2):
+        _kill_without_goodbye(nodes[-1])
+        _until_dropped(a)
+        a.shrunk.clear()
+        new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
+        new.workers_paused = lambda: False  # its workers train on: no evidence that anyone died
+        assert new.claim_vacancy(1, wait_s=0) is not None
+        assert new.next_rendezvous().world_size == 2
+        nodes.append(new)
+        start = time.monotonic()
+        while not a.grown:
+            assert a.num_nodes_waiting() == 0 and time.monotonic() - start < 10, "the survivor never saw the grow"
+            time.sleep(0.1)
+        a.grown.clear()
+    b3 = nodes[-1]
+    deadline = time.monotonic() + 8.0  # past the doubt (5 s) a wrongly counted member would get
+    while time.monotonic() < deadline:
+        assert b3.num_nodes_waiting() == 0, "the second grower asked for a new round"
+        time.sleep(0.2)
+    assert b3.grown == [], f"the second grower read an earlier grow as news: {b3.grown}"
+    assert a.num_nodes_waiting() == 0
+    for h in (a, b3):
+        h.shutdown()
