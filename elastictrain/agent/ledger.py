@@ -258,12 +258,18 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
     gaps: list[_Gap] = []
     cur: Optional[_Gap] = start
     members: frozenset[str] = frozenset()
+    prev: Optional[_Ev] = None
     for e in events:
+        if prev is not None:  # after the event that changed it opened its gap (a lost member is judged there)
+            members = _membership(prev, members)
+        prev = e
         if cur is not None and cur.resumed_at is None:
             cur.seen.add(e.node)
-        if e.kind == "join" and cur is not None:
+        if e.kind == "join" and cur is not None and cur.in_place_at is None:
             cur.joined.add(e.node)
             members = frozenset(cur.joined)
+        elif e.kind == "join":  # a node growing the world back in place: one more member of the running group
+            members = members | {e.node}
         if e.kind in _ENDS:
             if cur is not None and cur.resumed_at is None:
                 _close(cur)
@@ -311,6 +317,20 @@ def _read_gaps(events: list[_Ev], started: float) -> tuple[_Gap, list[_Gap], Opt
     if cur is not None and cur.resumed_at is None and (cur.last_join is not None or cur.in_place_at is not None):
         _close(cur)
     return start, gaps, None
+
+
+def _membership(e: _Ev, members: frozenset[str]) -> frozenset[str]:
+    """The running group's nodes after in-place event `e`: a shrink drops its lost nodes, a grow swaps the places it
+    took for the nodes that took them, a held place taken over swaps the lost node for the new one."""
+    f = e.fields
+    if e.kind == "shrink":
+        return members - frozenset(map(str, f.get("lost_nodes") or ()))
+    if e.kind == "grow":
+        return (members - frozenset(map(str, f.get("places_of") or ()))) | frozenset(map(str, f.get("joined_nodes")
+                                                                                          or ()))
+    if e.kind == "restart" and f.get("lost_node"):
+        return (members - {str(f["lost_node"])}) | {e.node}
+    return members
 
 
 def _judge_lost(g: _Gap, updated: dict[str, float]) -> None:

@@ -178,6 +178,31 @@ def test_a_node_that_grows_the_world_back_costs_only_the_survivors_pause_not_its
     assert joined.lost_s == pytest.approx(0.3), joined
 
 
+def test_after_a_grow_a_worker_kill_on_the_new_node_is_a_worker_failure_not_the_old_nodes_loss():
+    """b lost for good (a shrink), c takes its place back (a grow); later c's worker is killed and replaced in place.
+    The group's members follow the in-place changes: b, long gone and silent, is not judged lost again at c's
+    failure (seen in a goodput run: worker kills after a grow charged as "node b lost" with 10-15 s detection, dated
+    from b's last status)."""
+    log = [*start(), ev(12.5, "a", "shrink", reason="node lost", in_place=True, lost_nodes=["b"], world_size=1,
+                        recorded_here=True),
+           ev(13.5, "a", "in_place_resumed", failed_step=9, step=9, pause_s=3.5, from_world_size=2, to_world_size=1),
+           saved(15, 12),  # the survivor trains alone meanwhile
+           ev(16, "c", "grow", joined_nodes=["c"], places_of=["b"], world_size=2, recorded_here=True),
+           ev(16, "c", "join", group_rank=1), ev(19, "a", "grow", joined_nodes=["c"], world_size=2),
+           ev(20.3, "a", "in_place_resumed", failed_step=14, step=14, pause_s=0.3, from_world_size=1,
+              to_world_size=2, grew=True, cause="a node joined"),
+           saved(22, 16),
+           ev(25, "c", "failure", cause="rank 1: Signal 9 (SIGKILL)", step_reached=18),
+           ev(25.1, "c", "restart", reason="failure", in_place=True, generation=3, replaced_ranks=[1]),
+           ev(26, "a", "in_place_resumed", failed_step=19, step=18, pause_s=1.0),
+           ev(30, "a", "succeeded")]
+    led = compute(log, started=0.0, now=32.0, final_step=22, node_updated={"b": 10.0, "a": 30.0, "c": 30.0})
+    assert_adds_up(led)
+    kill = led.faults[-1]
+    assert kill.kind == "worker failure" and "node b" not in kill.cause, kill
+    assert kill.detection_s < 1.0 and kill.lost_s == pytest.approx(2.0, abs=0.2), kill  # 1 s paused + 1 step again
+
+
 def test_fault_cost_events_in_the_log_do_not_change_the_ledger():
     log = [*start(), ev(10, "b", "failure", cause="x"), ev(11, "a", "join"), ev(11, "b", "join"),
            ev(12, "a", "checkpoint_loaded", step=0), ev(20, "a", "succeeded")]
