@@ -317,6 +317,24 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
         job.teardown()
 
 
+def _start_with_a_slow_survivor(job: Job) -> tuple:
+    """Nodes a and b at the fault step; a steps slowly from step 12 (when it trains alone the job does not end before
+    a node started again is ready); returns a, b and the checkpoints committed by then."""
+    a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
+    b = job.start_node("b")
+    job.wait_for_step(FAULT_STEP, world_size=2)
+    job.wait_workers(b)
+    return a, b, job.valid_checkpoints()
+
+
+def _lose_for_good(job: Job, node) -> None:
+    """SIGKILL `node` with its snapshots (a host lost), and wait until the survivor goes on alone in place."""
+    node.kill()
+    for folder in snapshot_base().glob(f"*-{node.pid}"):
+        shutil.rmtree(folder)
+    _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+
+
 def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_back_and_is_not_a_second_job(
         tmp_path, etcd, run_id):
     """goodput.py's schedule (a worker kill, then a node kill, then the node back) once made the node that came back
@@ -327,19 +345,12 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
     the job's end; the next test covers a grow still pending at the end.)"""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
-        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
-        b = job.start_node("b")
-        job.wait_for_step(FAULT_STEP, world_size=2)
-        job.wait_workers(b)
-        saved = job.valid_checkpoints()
+        a, b, saved = _start_with_a_slow_survivor(job)
         signal_worker(b.pid, signal.SIGKILL)
         _wait_for_event(job, lambda e: e.kind == "in_place_resumed")
         job.wait_workers(b)
         time.sleep(1.0)
-        b.kill()
-        for folder in snapshot_base().glob(f"*-{b.pid}"):
-            shutil.rmtree(folder)
-        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+        _lose_for_good(job, b)
         b = job.start_node("b")
         assert job.wait([a, b]) == [0, 0], job.logs()
         evs = events(job)
@@ -364,15 +375,8 @@ def test_the_job_finishing_before_a_pending_grow_re_forms_ends_every_node(tmp_pa
     both nodes exit 0, the job is complete and exactly-once."""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
-        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
-        b = job.start_node("b")
-        job.wait_for_step(FAULT_STEP, world_size=2)
-        job.wait_workers(b)
-        saved = job.valid_checkpoints()
-        b.kill()
-        for folder in snapshot_base().glob(f"*-{b.pid}"):
-            shutil.rmtree(folder)
-        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
+        a, b, saved = _start_with_a_slow_survivor(job)
+        _lose_for_good(job, b)
         b = job.start_node("b")
         for pid in job.wait_workers(b).values():  # before they import torch, long before they are ready
             os.kill(pid, signal.SIGSTOP)

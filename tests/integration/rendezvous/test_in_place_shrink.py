@@ -48,6 +48,25 @@ def _until_dropped(handler: EtcdRendezvousHandler, timeout: float = 15) -> None:
         time.sleep(0.1)
 
 
+def _until_grown(survivor: EtcdRendezvousHandler, timeout: float = 10) -> None:
+    start = time.monotonic()
+    while not survivor.grown:
+        assert survivor.num_nodes_waiting() == 0, "a survivor asked for a new round instead of growing in place"
+        assert time.monotonic() - start < timeout, "a survivor never saw the node that took the place back"
+        time.sleep(0.1)
+
+
+def _take_place(etcd: EtcdHandle, run_id: str, lost: EtcdRendezvousHandler, rank: int, why: str,
+                max_nodes: int = 3, **conf: object) -> EtcdRendezvousHandler:
+    """A node started after `lost` was dropped: it must take `lost`'s place (group rank `rank` of 2) in place."""
+    new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, max_nodes, **conf))
+    place = new.claim_vacancy(1, wait_s=2)
+    assert place is not None and place.lost == lost.this_node, why
+    info = new.next_rendezvous()
+    assert (info.rank, info.world_size) == (rank, 2), (info.rank, info.world_size)
+    return new
+
+
 def test_round_ranks_follow_torchs_numbering_of_unequal_nodes() -> None:
     assert round_ranks({"a": 0, "b": 1, "c": 2}, {0: 2, 1: 1, 2: 3}) == {"a": [0, 1], "b": [2], "c": [3, 4, 5]}
     # A member that already left keeps its ranks' places in the numbering.
@@ -186,11 +205,7 @@ def test_a_node_started_later_takes_a_dropped_nodes_place_back_in_place(etcd: Et
     assert shrinks.gone(rnd) == set(), "the lost node is still recorded gone after its place was taken back"
 
     for survivor in (first, last):
-        start = time.monotonic()
-        while not survivor.grown:
-            assert survivor.num_nodes_waiting() == 0, "a survivor asked for a new round instead of growing in place"
-            assert time.monotonic() - start < 10, "a survivor never saw the node that took the place back"
-            time.sleep(0.1)
+        _until_grown(survivor)
         assert survivor.grown == [(lost.this_node, new.this_node)]
         assert survivor.world() == grown and survivor.members_left() == 3
         assert survivor.round_ranks() == {first.this_node: [0], new.this_node: [1], last.this_node: [2]}
@@ -221,12 +236,8 @@ def test_a_survivor_whose_torch_heartbeat_is_stale_still_runs_the_round_a_new_no
     survivor._stop_heartbeats()  # its lease lives on; its torch heartbeat does not
     time.sleep(3.0)  # past keep_alive_interval * keep_alive_max_attempt
 
-    new = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 2, **conf))
-    place = new.claim_vacancy(1, wait_s=2)
-    assert place is not None and place.lost == lost.this_node, (
-        "the new node found no running round while the survivor's lease lived: it would form a round of its own")
-    info = new.next_rendezvous()
-    assert (info.rank, info.world_size) == (1, 2), (info.rank, info.world_size)
+    new = _take_place(etcd, run_id, lost, 1, "the new node found no running round while the survivor's lease lived: "
+                      "it would form a round of its own", max_nodes=2, **conf)
     assert survivor.num_nodes_waiting() == 0
     for h in (survivor, new):
         h.shutdown()
@@ -245,19 +256,12 @@ def test_a_node_that_grew_the_round_keeps_it_running_after_every_original_member
     b2.workers_paused = lambda: True
     assert b2.claim_vacancy(1, wait_s=0) is not None
     assert (b2.next_rendezvous().rank, b2.grow_world.size) == (1, 2)
-    start = time.monotonic()
-    while not a.grown:
-        assert a.num_nodes_waiting() == 0 and time.monotonic() - start < 10
-        time.sleep(0.1)
+    _until_grown(a)
 
     _kill_without_goodbye(a)
     _until_dropped(b2)
-    a2 = create_etcd_handler(_params(etcd.endpoint, run_id, 1, 3, in_place_shrink=1))
-    place = a2.claim_vacancy(1, wait_s=2)
-    assert place is not None and place.lost == a.this_node, (
-        "the node started after both original members were lost found no running round: it would train beside b2")
-    info = a2.next_rendezvous()
-    assert (info.rank, info.world_size) == (0, 2), (info.rank, info.world_size)
+    a2 = _take_place(etcd, run_id, a, 0, "the node started after both original members were lost found no running "
+                     "round: it would train beside b2", in_place_shrink=1)
     assert b2.num_nodes_waiting() == 0
     for h in (b2, a2):
         h.shutdown()
@@ -279,10 +283,7 @@ def test_a_node_growing_the_round_a_second_time_does_not_count_the_first_grower(
         assert new.claim_vacancy(1, wait_s=0) is not None
         assert new.next_rendezvous().world_size == 2
         nodes.append(new)
-        start = time.monotonic()
-        while not a.grown:
-            assert a.num_nodes_waiting() == 0 and time.monotonic() - start < 10, "the survivor never saw the grow"
-            time.sleep(0.1)
+        _until_grown(a)
         a.grown.clear()
     b3 = nodes[-1]
     deadline = time.monotonic() + 8.0  # past the doubt (5 s) a wrongly counted member would get
