@@ -296,9 +296,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
         Without it a node that took a place in place trained in the round while the state named only the members
         that formed it: once those were all lost too (their leases gone), the state showed no running round, and a
-        node started then formed a round of its own beside the one still training (a split, seen once in a goodput
-        run: node a taken over in place, then node b lost and started again). As a participant, with its heartbeat
-        and lease, this node keeps the round alive in the state like any member, and leaves it like one."""
+        node started then formed a round of its own beside the one still training (a split: b lost and taken back
+        in place by b2, then a lost too and started again; tests/integration/rendezvous/test_in_place_shrink.py). As
+        a participant, with its heartbeat and lease, this node keeps the round alive in the state like any member, and
+        leaves it like one."""
         for _ in range(_ENTER_STATE_TRIES):
             try:
                 self._state_holder.sync()

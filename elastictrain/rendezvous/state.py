@@ -156,7 +156,6 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         if participant_removed:
             _remove_participant_epilogue(state, self._settings)
 
-
     def _vouch_for_leased(self) -> None:
         """Keep a node whose torch heartbeat in the state is stale while its etcd lease lives.
 

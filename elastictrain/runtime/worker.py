@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _LAST_BARRIER_S = 60.0
 
+
 def _stacks_on_sigusr1() -> None:
     """Under our agent, `kill -USR1 <worker pid>` writes every thread's Python stack to the worker's stderr (the
     agent's log): where a stuck worker waits, without a debugger. Left alone when the script handles SIGUSR1."""
