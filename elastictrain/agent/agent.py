@@ -39,7 +39,7 @@ from elastictrain.agent.budget import (
     fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
-from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, finished, record_finished, renumber
+from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, finished, joined, record_finished, renumber
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
@@ -587,8 +587,8 @@ class ElasticAgent(LocalElasticAgent):
         the survivors finished without them, and would wait for this node in the exit barrier while they wait for a
         group that never forms. Read from etcd at most every `_GROW_CHECK_S`."""
         assert self._grow_pending is not None
-        if any(w.step is not None for w in self._health.workers.values()):
-            self._grow_pending = None  # they joined the bigger world and train: they finish with it
+        if joined(self._health.workers.values()):
+            self._grow_pending = None  # they joined the bigger world: they finish with it
             return False
         if now - self._grow_checked < _GROW_CHECK_S:
             return False

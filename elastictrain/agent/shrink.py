@@ -6,7 +6,7 @@ hang rule's world size) and remembers the environment a later in-place replaceme
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
@@ -110,3 +110,10 @@ def record_finished(store: Any, round_number: int) -> None:
 def finished(store: Any, round_number: int) -> bool:
     """Whether a node's workers finished the job in round `round_number`."""
     return bool(store.check([f"{FINISHED}/{round_number}"]))
+
+
+def joined(workers: Iterable[Any]) -> bool:
+    """Whether workers started to grow a round back have joined its group: one reported a phase past `init` (the
+    step loop's `load` comes after the group formed). Every worker beats `init` (step 0) as it starts, so a step
+    alone says nothing."""
+    return any(w.phase not in (None, "init") for w in workers)

@@ -270,8 +270,9 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
     every sample is used once, and the job ends bitwise where "2 ranks, then 1, then 2 from the same steps" ends."""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
-        # a alone steps slowly from step 10 on, so that b's new agent (imports on busy cores) comes before the end.
-        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=600,step=10,rank=0"})
+        # a alone steps slowly from step 10 on, so that b's new agent (imports on busy cores) comes before the end
+        # (at 600 ms a CI run's new agent took its place as a finished: the grow still pending at the end, next tests).
+        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=10,rank=0"})
         b = job.start_node("b")
         job.wait_for_step(FAULT_STEP, world_size=2)
         survivor = job.wait_workers(a)
