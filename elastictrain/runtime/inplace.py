@@ -182,6 +182,20 @@ class InPlace:
     def read_generation(self) -> int:
         return current_generation(self.store)
 
+    def recorded(self, generation: int) -> bool:
+        """Whether the world this worker's round runs in at `generation` is recorded in full. A shrink or a grow moves
+        the generation counter first and writes the new world's record right after (rendezvous/shrink.py: the record
+        names every node lost before it only so); a worker that read the counter in between took the old world for
+        the new generation's, joined a group that waited for a lost rank, and hung there with its peer (seen in the
+        3-node chaos test and in a 2-node one). The round's `gone/` keys are written before the counter moves (and a
+        grow deletes its node's before), so the newest record matches them once it is written."""
+        if not self.settings.shrink or self.round < 0:
+            return True
+        self.store  # noqa: B018 - connects
+        shrinks = Shrinks(self._client, self._run_prefix)
+        world = shrinks.world(self.round, generation)
+        return set(world.gone if world is not None else ()) == shrinks.gone(self.round)
+
     def world_at(self, generation: int) -> Optional[World]:
         """The smaller world this worker's round runs in at `generation`, when it shrank in place; else None."""
         if not self.settings.shrink or self.round < 0:
@@ -221,7 +235,7 @@ class InPlace:
         checked = time.monotonic()
         while True:
             newest = self.read_generation()
-            if newest > self.generation:
+            if newest > self.generation and self.recorded(newest):
                 return newest
             if stop():
                 raise InPlaceFailed("stopped while paused in place (the agents restart every worker)")

@@ -48,11 +48,11 @@ log = logging.getLogger(__name__)
 _LAST_BARRIER_S = 60.0
 
 
-def _stacks_on_sigusr1() -> None:
-    """Under our agent, `kill -USR1 <worker pid>` writes every thread's Python stack to the worker's stderr (the
-    agent's log): where a stuck worker waits, without a debugger. Left alone when the script handles SIGUSR1."""
-    if os.environ.get(ENV_AGENT_PID) and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+def _stacks_on_sigusr2() -> None:
+    """Under our agent, `kill -USR2 <worker pid>` writes every thread's Python stack to the worker's stderr (the
+    agent's log): where a stuck worker waits, without a debugger. Left alone when the script handles SIGUSR2."""
+    if os.environ.get(ENV_AGENT_PID) and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 class StopFlag:
@@ -101,7 +101,7 @@ class Worker:
         # The doorbell handler first: the agent rings only workers that sent a heartbeat (runtime/control.py).
         self.control = WorkerControl.from_env()
         self.heartbeat = Heartbeat.from_env()
-        _stacks_on_sigusr1()
+        _stacks_on_sigusr2()
         self.stop_flag.install()
         configure_determinism(self._train_cfg.deterministic)
         self.session = Session(self._train_cfg).start()

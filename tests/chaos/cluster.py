@@ -140,7 +140,9 @@ class Job:
                         and (world_size is None or r["world_size"] == world_size)):
                     return r
             assert any(n.alive() for n in self.nodes), f"every node exited before step {step}\n{self.logs()}"
-            assert time.monotonic() < deadline, f"no step {step} within {timeout}s\n{self.logs()}"
+            if time.monotonic() >= deadline:
+                self.dump_stacks()  # where the stuck workers wait, in the logs below
+                raise AssertionError(f"no step {step} within {timeout}s\n{self.logs()}")
             time.sleep(0.05)
 
     def wait_workers(self, node: Node, timeout: float = 120) -> dict[int, int]:
@@ -195,13 +197,13 @@ class Job:
             f"checkpoints written at world sizes {sorted(written.items())}, expected {sorted(wanted.items())}"
 
     def dump_stacks(self) -> None:
-        """Every live worker writes its threads' Python stacks into its node's log (SIGUSR1, runtime/worker.py): for
+        """Every live worker writes its threads' Python stacks into its node's log (SIGUSR2, runtime/worker.py): for
         a test that gives up on a stuck job, before it reads the logs."""
         for n in self.nodes:
             if n.alive():
                 for pid in n.workers().values():
                     try:
-                        os.kill(pid, signal.SIGUSR1)
+                        os.kill(pid, signal.SIGUSR2)
                     except ProcessLookupError:
                         continue
         time.sleep(1.0)

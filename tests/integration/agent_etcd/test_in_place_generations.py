@@ -133,3 +133,36 @@ def test_with_shrink_a_node_that_leaves_is_waited_for_until_the_agents_record_a_
         assert worker.world_at(generation - 1) is None, "the generation before the shrink ran the full world"
     finally:
         worker.close()
+
+
+def test_a_survivor_does_not_take_a_shrinks_generation_before_its_world_is_recorded(etcd, run_id, agent_side):
+    """A shrink moves the generation counter, then writes the smaller world's record. A survivor that read the counter
+    in between took the old world for the new generation's and joined a group that waited for the lost rank: both
+    survivors hung (the 3-node chaos test, about one run in four). The wait now ends only once the record is there."""
+    from elastictrain.rendezvous.shrink import Shrinks
+
+    client, prefix = agent_side
+    worker = InPlace(InPlaceSettings(etcd.endpoint, run_id, {}, 30.0, 0.0, shrink=True), rank=0, world_size=3)
+    worker.round, worker.round_rank = 4, 0
+    worker.generation = worker.read_generation()
+    shrinks = Shrinks(client, prefix)
+    # The recording agent's first steps, then a pause before it writes the world: what the survivor can read then.
+    client.cas(f"{prefix}/inplace/shrink/4/gone/b", b"1", None)
+    store = generations_store(client, prefix)
+    store.add("gen", 1)
+    assert not worker.recorded(worker.read_generation()), "a generation whose world is not written counted as recorded"
+
+    def finish() -> None:
+        gen = worker.read_generation()
+        client.put(f"{prefix}/inplace/shrink/4/world/{gen}", b'{"survivors": [0, 2], "gone": ["b"], "joined": []}')
+
+    _later(1.0, finish)
+    try:
+        started = time.monotonic()
+        generation = worker.wait_next(beat=lambda: None, stop=lambda: False)
+        assert time.monotonic() - started >= 0.9, "the wait ended before the smaller world was recorded"
+        world = worker.world_at(generation)
+        assert world is not None and world.size == 2 and world.gone == ("b",), world
+        assert shrinks.world(4, generation) == world
+    finally:
+        worker.close()

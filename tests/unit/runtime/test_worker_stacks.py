@@ -1,5 +1,5 @@
-"""A worker our agent started writes every thread's Python stack on SIGUSR1 (where a stuck worker waits), and leaves
-a script's own SIGUSR1 handler alone."""
+"""A worker our agent started writes every thread's Python stack on SIGUSR2 (where a stuck worker waits), and leaves
+a script's own SIGUSR2 handler alone."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from elastictrain.runtime.heartbeat import ENV_AGENT_PID
 _SCRIPT = """
 import signal, sys, time
 if sys.argv[1] == "own":
-    signal.signal(signal.SIGUSR1, lambda *a: print("own handler", flush=True))
-from elastictrain.runtime.worker import _stacks_on_sigusr1
-_stacks_on_sigusr1()
+    signal.signal(signal.SIGUSR2, lambda *a: print("own handler", flush=True))
+from elastictrain.runtime.worker import _stacks_on_sigusr2
+_stacks_on_sigusr2()
 print("ready", flush=True)
 def waiting_here():
     time.sleep(30)
@@ -30,7 +30,7 @@ def _signalled(mode: str) -> tuple[str, str]:
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR2)
         time.sleep(1.0)
     finally:
         proc.kill()
@@ -38,11 +38,11 @@ def _signalled(mode: str) -> tuple[str, str]:
     return out, err
 
 
-def test_sigusr1_writes_the_stacks_of_a_worker_started_by_our_agent() -> None:
+def test_sigusr2_writes_the_stacks_of_a_worker_started_by_our_agent() -> None:
     _, err = _signalled("default")
     assert "waiting_here" in err and "Current thread" in err, err[-2000:]
 
 
-def test_a_scripts_own_sigusr1_handler_is_kept() -> None:
+def test_a_scripts_own_sigusr2_handler_is_kept() -> None:
     out, err = _signalled("own")
     assert "own handler" in out and "waiting_here" not in err, (out, err[-2000:])
