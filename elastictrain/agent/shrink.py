@@ -96,15 +96,13 @@ def adopt_grows(worker_group: WorkerGroup, round_ranks: dict[int, int],
 
 
 FINISHED = "finished"
-"""Under the run's in-place prefix: `finished/<round>`, written by a node whose workers finished the job in that round
-(the generation counter then as its value). A node whose workers wait to grow the round back reads it."""
+"""Under the run's in-place prefix: `finished/<round>`, written by a node whose workers finished the job in that round.
+A node whose workers wait to grow the round back reads it (its presence is all it says)."""
 
 
 def record_finished(store: Any, round_number: int) -> None:
     """This node's workers finished the job in round `round_number`: say so to a node that grows the round back."""
-    from elastictrain.runtime.inplace import current_generation
-
-    store.set(f"{FINISHED}/{round_number}", str(current_generation(store)))
+    store.set(f"{FINISHED}/{round_number}", b"1")
 
 
 def finished(store: Any, round_number: int) -> bool:

@@ -284,7 +284,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             # (b2 took b1's place) as news, counted b2, dead, as a member, and asked for a new round 5 s later.
             self._grown_seen = {claim.lost}
             try:
-                self._grown_seen |= set(self._shrinks.grown(claim.round)) if self._shrinks is not None else set()
+                assert self._shrinks is not None  # a grow is claimed through it
+                self._grown_seen |= set(self._shrinks.grown(claim.round))
             except Exception as e:  # noqa: BLE001 - etcd blinked: the earlier grows' nodes are then judged by lease
                 logger.warning("could not read the round's earlier grows: %s", e)
         self._enter_state(claim)

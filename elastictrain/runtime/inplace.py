@@ -191,10 +191,8 @@ class InPlace:
         grow deletes its node's before), so the newest record matches them once it is written."""
         if not self.settings.shrink or self.round < 0:
             return True
-        self.store  # noqa: B018 - connects
-        shrinks = Shrinks(self._client, self._run_prefix)
-        world = shrinks.world(self.round, generation)
-        return set(world.gone if world is not None else ()) == shrinks.gone(self.round)
+        world = self.world_at(generation)  # connects
+        return set(world.gone if world is not None else ()) == Shrinks(self._client, self._run_prefix).gone(self.round)
 
     def world_at(self, generation: int) -> Optional[World]:
         """The smaller world this worker's round runs in at `generation`, when it shrank in place; else None."""
