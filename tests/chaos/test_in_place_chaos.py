@@ -319,9 +319,9 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
 
 
 def _start_with_a_slow_survivor(job: Job) -> tuple:
-    """Nodes a and b at the fault step; a steps slowly from step 12 (when it trains alone the job does not end before
-    a node started again is ready); returns a, b and the checkpoints committed by then."""
-    a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=12,rank=0"})
+    """Nodes a and b at the fault step; a steps slowly (2 s) from step 12 (when it trains alone the job does not end
+    before a node started again is ready, also on a busy machine); returns a, b and the checkpoints committed."""
+    a = job.start_node("a", env={ENV_CHAOS: "slow@ms=2000,step=12,rank=0"})
     b = job.start_node("b")
     job.wait_for_step(FAULT_STEP, world_size=2)
     job.wait_workers(b)
