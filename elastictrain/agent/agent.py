@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import asdict, replace
@@ -39,6 +38,7 @@ from elastictrain.agent.budget import (
     fatal_message,
 )
 from elastictrain.agent.health import Hang, HealthConfig, HealthMonitor, WorkerHealth
+from elastictrain.agent.scratch import make_scratch_dir
 from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, finished, joined, record_finished, renumber
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
@@ -121,7 +121,7 @@ class _HeartbeatChannel:
     """The agent end of the heartbeat socket: bound in a private 0700 directory, drained without blocking."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="elastictrain-hb-")
+        self._dir = make_scratch_dir("hb")
         self.addr = os.path.join(self._dir, "hb.sock")
         if len(self.addr) > _UNIX_PATH_MAX:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -20,12 +20,12 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from elastictrain.agent.scratch import make_scratch_dir
 from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.runtime.control import DOORBELL, ENV_CONTROL_FILE, ControlState
 
@@ -80,7 +80,7 @@ class ControlRelay:
                  emit: Callable[[str, dict[str, Any]], None], interval_s: float = DEFAULT_CONTROL_INTERVAL_S):
         self.client, self.prefix = client, run_prefix.rstrip("/")
         self._node, self._emit, self.interval_s = node, emit, interval_s
-        self._dir = tempfile.mkdtemp(prefix="elastictrain-ctl-")
+        self._dir = make_scratch_dir("ctl")
         self.path = os.path.join(self._dir, "control.json")
         self.state = ControlState()
         self.state.write(self.path)

@@ -34,6 +34,7 @@ from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPo
 from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
 from elastictrain.agent.replication import Replicator
+from elastictrain.agent.scratch import sweep_orphan_scratch
 from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
 from elastictrain.agent.status import (
     EtcdStatusPublisher,
@@ -134,6 +135,8 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     if tls is not None:
         tls.check()  # a wrong file is a ConfigError now, not a failed replica later
     args = parse_flags(run, elastic)
+    for d in sweep_orphan_scratch():
+        log.info("removed the scratch folder of a gone agent: %s", d)
     with ExitStack() as stack:
         if not args.rdzv_endpoint:
             args.rdzv_endpoint = _embedded_etcd(args.nnodes, stack)

@@ -23,10 +23,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from elastictrain.agent.scratch import make_scratch_dir
 from elastictrain.runtime.warmstart import ENV_PREWARM, ENV_WARM_DIR, MODULE, parse_command, rank_file, ready_file
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class WarmPool:
     def __init__(self, entrypoint: str, args: Sequence[str], size: int, prewarm: Sequence[str] = ()):
         self.entrypoint, self.args, self.size = entrypoint, [str(a) for a in args], size
         self.prewarm = list(prewarm)
-        self.dir = tempfile.mkdtemp(prefix="elastictrain-warm-")
+        self.dir = make_scratch_dir("warm")
         self._spares: list[Spare] = []
         self.served = 0
         self.cold = 0

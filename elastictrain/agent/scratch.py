@@ -1,0 +1,45 @@
+"""The agent's scratch folders in the temp directory (its workers' heartbeat socket, control file, warm spares'
+files): named by the agent's pid, so that an agent started later on the node removes those of agents that are gone.
+An agent removes its own at exit; one that was SIGKILLed (a node kill, an OOM kill) could not, and without the sweep
+each such loss left three folders behind for good."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from elastictrain.runtime.heartbeat import pid_alive
+
+KINDS = ("ctl", "hb", "warm")
+_NAME = re.compile(r"^elastictrain-(?:ctl|hb|warm)-(?P<pid>\d+)-")
+
+
+def make_scratch_dir(kind: str) -> str:
+    """A private (0700) folder for this agent's `kind` of scratch files; the caller removes it when done."""
+    assert kind in KINDS, kind
+    return tempfile.mkdtemp(prefix=f"elastictrain-{kind}-{os.getpid()}-")
+
+
+def sweep_orphan_scratch(base: Optional[str] = None) -> list[Path]:
+    """Remove this user's scratch folders whose agent is no longer running; returns them. A folder of a live pid
+    stays (its agent, or an unrelated process that reuses the pid: then it goes at a later sweep)."""
+    root = Path(base or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = _NAME.match(d.name)
+        try:
+            if not m or not d.is_dir() or d.stat().st_uid != os.getuid() or pid_alive(int(m["pid"])):
+                continue
+        except OSError:  # removed by another agent's sweep meanwhile
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
