@@ -60,7 +60,7 @@ def _wait_view(target: JobConnection, pred, timeout: float, what: str):
 def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_path: Path):
     # No periodic checkpoints: the only one is the operator's, and recovery must resume from it.
     job = LiveJob(etcd.endpoint, run_id, tmp_path, steps=100_000, extra=["--heartbeat-timeout=60"],
-                  overrides=["checkpoint.every_steps=0"], env={ENV_CHAOS: "slow@ms=80,rank=1"})
+                  overrides=["checkpoint.every_steps=0"], env={ENV_CHAOS: "slow@ms=400,rank=1"})
     ports = [_free_port(), _free_port()]
     settings = EtcdSettings.from_conf(etcd.endpoint, run_id, {})
     client = EtcdClient(settings)
@@ -88,13 +88,14 @@ def test_operator_cli_follows_and_steers_a_real_two_node_job(etcd, run_id, tmp_p
         events = job.cli("events")
         assert events.returncode == 0 and events.stdout.count(" join ") == 2, events.stdout
 
-        # --- the straggler: rank 1 is 80 ms late before every step; named after 20 such steps
+        # --- the straggler: rank 1 is 400 ms late before every step; named after 20 such steps. (It was 80 ms:
+        # under the 20 % margin once a step of this tiny model took 0.5 s, on a machine 3x slower than usual.)
         st = job.wait_status(lambda s: any("1" in m["stragglers"] for m in s["members"]), 90, "a straggler named")
         named = next(m["stragglers"]["1"] for m in st["members"] if "1" in m["stragglers"])
-        assert 0.05 < named["lateness_s"] < 0.5 and named["score"] > 0.2, named
+        assert 0.2 < named["lateness_s"] < 2.0 and named["score"] > 0.2, named
         assert all(set(m["stragglers"]) <= {"1"} for m in st["members"]), "only the slow rank is named"
         assert "straggler:  rank 1: " in job.cli("status").stdout
-        assert any(_scrape(p).get("elastictrain_straggler_lateness_seconds", 0) > 0.05 for p in ports)
+        assert any(_scrape(p).get("elastictrain_straggler_lateness_seconds", 0) > 0.2 for p in ports)
         assert " straggler " in job.cli("events").stdout
 
         # --- ckpt now: saved once, at one step, and shown by status
