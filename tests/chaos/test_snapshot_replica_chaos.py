@@ -1,7 +1,7 @@
 """Peer replicas of the in-memory snapshots under a real 2-node `elastictrain run`: node b SIGKILLed (agent and
 workers; its snapshot folder, i.e. its RAM, gone with it) and started again with the same command resumes from b's
 snapshots as replicated on node a, recomputing at most one completed step, and ends bitwise-equal to an
-uninterrupted run; the same with the replicas over mutual TLS (elastic.replica_tls).
+uninterrupted run; the replicas travel over mutual TLS (elastic.replica_tls), or plain HTTP without openssl.
 
 Without replicas the same fault resumes from the last durable checkpoint (every 4 steps here;
 tests/chaos/test_agent_chaos.py::test_a_node_sigkilled_then_one_drained_each_rejoin_by_the_same_command).
@@ -22,15 +22,18 @@ from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.agent.status import read_nodes
 from tests.chaos.cluster import STEPS, Job, Node
 from tests.chaos.test_agent_chaos import FAULT_STEP, ON_TWO, WAIT_FOR_REJOIN, _etcd, assert_recovered, events, start_two
-from tests.fixtures.pki import make_pki, needs_openssl
+from tests.fixtures.pki import OPENSSL, make_pki, needs_openssl
 from tests.integration.recipe_runs import assert_same_train_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(params=["http", pytest.param("tls", marks=needs_openssl)])
+# Over mutual TLS where the openssl command can make certificates (CI: tests/must_run.txt), else over plain HTTP: the
+# same replica code under both (TLS wraps the socket); the plain transport's own tests are in
+# tests/integration/agent/test_replication.py. Both here cost the suite a 2-node chaos run (~1 min on 2 slow cores).
+@pytest.fixture(params=[pytest.param("tls", marks=needs_openssl) if OPENSSL else "http"])
 def replica_job(request, tmp_path, etcd, run_id):
-    """The job, its replicas over plain HTTP or over mutual TLS (one job-wide certificate, so no host name check)."""
+    """The job, its replicas over mutual TLS (one job-wide certificate, so no host name check), or plain HTTP."""
     tls = ()
     if request.param == "tls":
         (tmp_path / "pki").mkdir()
