@@ -68,14 +68,15 @@ BUCKET = "chaos"
 # restart-etcd just before the corruption had its 2 s heal (etcd starting again) run there, the job committed a
 # newer checkpoint meanwhile and the restart never met the corrupted one (a clean-clone CI run failed on it).
 # Faults fire once the job has newly completed a step, 8 steps (two checkpoints) apart: progress between faults,
-# whatever the machine's speed. The stopped worker stays stopped for 20 s, far past the hang timeout (max(3 s,
-# 5 x p99 step time)): an agent must act; the stop holds nothing back (the next fault waits for its step, and the
-# agent kills the stopped worker long before the heal's SIGCONT). Training goes on through a storage outage (a
-# save due while the previous upload hangs is skipped), and the runner waits while it heals one (restarting the S3
-# server took up to 15 s here), so the outage comes last: earlier, the job finished during it and the later faults
-# never fired. Steps of at least STEP_FLOOR_MS keep such blind stretches to tens of steps.
+# whatever the machine's speed. The stopped worker stays stopped for 30 s, past the hang timeout also before the
+# timeout is calibrated (provisionally 3 x 5 x the median step: 15.7 s on a slow 2-core machine whose 3 hosts stepped
+# in 1.05 s; it was 20 s, too close): an agent must act; the stop holds nothing back (the next fault waits for its
+# step, and the agent kills the stopped worker long before the heal's SIGCONT). Training goes on through a storage
+# outage (a save due while the previous upload hangs is skipped), and the runner waits while it heals one
+# (restarting the S3 server took up to 15 s here), so the outage comes last: earlier, the job finished during it and
+# the later faults never fired. Steps of at least STEP_FLOOR_MS keep such blind stretches to tens of steps.
 SCHEDULE = """
-stop-worker@step=8/20s
+stop-worker@step=8/30s
 corrupt-checkpoint@step=16
 kill-worker
 restart-etcd@step=24/3s
@@ -151,8 +152,8 @@ class BackgroundReference:
     It runs in the background during the chaos run's second half (`start()` once the partition, the last fault an
     agent's hang detection must catch, is healed), when the job mostly waits (STEP_FLOOR_MS, faults, heals): its
     ~25 s are then not added to the test's. Not earlier: started with the job, in a trial on a loaded machine no
-    agent called the stopped worker hung within its 20 s (the reference's CPU load slows the job's steps, and the
-    hang timeout, 5 x p99 step time, grows with them)."""
+    agent called the stopped worker hung within its 20 s, the stop's length then (the reference's CPU load slows the
+    job's steps, and the hang timeout, 5 x p99 step time, grows with them)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
