@@ -15,7 +15,7 @@ from typing import Optional
 from elastictrain.runtime.heartbeat import pid_alive
 
 KINDS = ("ctl", "hb", "warm")
-_NAME = re.compile(r"^elastictrain-(?:ctl|hb|warm)-(?P<pid>\d+)-")
+_NAME = re.compile(rf"^elastictrain-(?:{'|'.join(KINDS)})-(?P<pid>\d+)-")
 
 
 def make_scratch_dir(kind: str) -> str:
@@ -25,16 +25,21 @@ def make_scratch_dir(kind: str) -> str:
 
 
 def sweep_orphan_scratch(base: Optional[str] = None) -> list[Path]:
-    """Remove this user's scratch folders whose agent is no longer running; returns them. A folder of a live pid
-    stays (its agent, or an unrelated process that reuses the pid: then it goes at a later sweep)."""
-    root = Path(base or tempfile.gettempdir())
-    removed = []
+    """Remove this user's scratch folders whose agent is no longer running; returns them."""
+    return sweep_dead_owners(Path(base or tempfile.gettempdir()), _NAME)
+
+
+def sweep_dead_owners(root: Path, name: re.Pattern[str]) -> list[Path]:
+    """Remove the folders under `root` that this user owns and whose name matches `name` with a `pid` group naming a
+    process that no longer runs; returns them. A folder of a live pid stays (its agent, or an unrelated process that
+    reuses the pid: then it goes at a later sweep). Also the agents' snapshot folders (agent/snapshots.py)."""
+    removed: list[Path] = []
     try:
         entries = list(root.iterdir())
     except OSError:
         return removed
     for d in entries:
-        m = _NAME.match(d.name)
+        m = name.match(d.name)
         try:
             if not m or not d.is_dir() or d.stat().st_uid != os.getuid() or pid_alive(int(m["pid"])):
                 continue

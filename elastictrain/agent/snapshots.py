@@ -6,26 +6,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
+from elastictrain.agent.scratch import sweep_dead_owners
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, remove_snapshots
 from elastictrain.checkpoint.snapshot_folders import RUN_FOLDER, read_run_folder, snapshot_base
-from elastictrain.runtime.heartbeat import pid_alive
 
 log = logging.getLogger(__name__)
 
 
 def sweep_orphans(base: Path) -> list[Path]:
     """Remove the snapshot folders of agents that are gone (SIGKILLed, a lost node that came back)."""
-    removed = []
-    for d in base.glob("*") if base.is_dir() else ():
-        m = RUN_FOLDER.match(d.name)
-        if m and not pid_alive(int(m["pid"])):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    return sweep_dead_owners(base, RUN_FOLDER)
 
 
 def make_snapshot_dir(run_id: str) -> Path:
