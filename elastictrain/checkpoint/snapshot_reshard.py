@@ -12,12 +12,12 @@ from (seed, step, rank).
 Where the slots are: each node's folder holds its ranks' own slots (`rank<r>`) and its ring predecessor's replicas
 (`replicas/<node>/rank<r>`). `scan` lists this job's committed slots in one node's folder, at any world size;
 `newest_complete` picks the newest step whose every old rank is held on some node of the group. A rank reads the
-slots on its own node in place and copies the others from the agent that holds them (checkpoint/replica_fetch.py)
-into a scratch folder removed afterwards. Every slot used has its checksum checked (on arrival for a copy).
+slots on its own node in place and receives the byte ranges it needs of the others over the process group, from a
+rank whose node holds them (checkpoint/snapshot_exchange.py): each slot's checksum is checked where it is held.
 
 The order of a restore (`Reshard`): `plan()` (which old slots this rank needs: the ones whose chunks overlap its
 shards, one for the values every old rank holds alike, preferring those it already reads or has on its node), then
-`obtain()` (read or copy them, checksums checked, nothing changed yet), then `load()`. The caller agrees with the
+`obtain()` (read or receive them, checksums checked, nothing changed yet), then `load()`. The caller agrees with the
 other ranks between the steps, so that a missing or corrupt slot anywhere leaves every rank's state untouched.
 """
 
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import io
 import logging
-import shutil
 import socket
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,15 +49,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from elastictrain.checkpoint.compat import is_per_rank_key
-from elastictrain.checkpoint.replica_fetch import fetch_slot
 from elastictrain.checkpoint.replica_wire import RANK_PATH, REPLICAS_DIR, PeerList, committed_markers
 from elastictrain.checkpoint.snapshot import SnapshotInfo, read_layout, read_slot, same_job
+from elastictrain.checkpoint.snapshot_exchange import exchange
 
 log = logging.getLogger(__name__)
-
-SCRATCH_DIR = "reshard"
-"""In the node's snapshot folder: `reshard/rank<new rank>/rank<old rank>/`, slots copied from peers for a restore."""
-
 
 @dataclass(frozen=True)
 class Holding:
@@ -193,6 +188,14 @@ def objects_for(template: dict[str, Any], mappings: dict[str, tuple], objects: l
     return out
 
 
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def _typed(buf: torch.Tensor, shard: Shard) -> torch.Tensor:
     raw = buf[shard.offset:shard.offset + shard.nbytes]
     dtype = getattr(torch, shard.dtype)
@@ -300,7 +303,6 @@ class Reshard:
     def __init__(self, candidate: Candidate, shards: dict[int, list[Shard]], state: dict[str, Any], root: Path,
                  node: str, new_rank: int):
         self.candidate, self.state, self.root, self.node = candidate, state, root, node
-        self.scratch = root / SCRATCH_DIR / f"rank{new_rank}"
         self.template = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()
                          if not is_per_rank_key(k)}
         flat, self.mappings = flatten_state_dict(self.template)
@@ -308,13 +310,19 @@ class Reshard:
         metadata, self.holders = _metadata(flat, self.mappings, shards)
         self.reader = SnapshotReader(metadata)
         self.fetched_from: list[str] = []
-        """The node of each old rank's slot this rank copied from a peer."""
+        """The node of each old rank's slot this rank copied from a peer or received over the group."""
+        self.fetched_bytes = 0
+        """The bytes of those: whole slots copied, the ranges received."""
+        self.received = 0
+        """How many of those came over the group (snapshot_exchange.py)."""
+        self.items: list = []
 
     def plan(self) -> set[int]:
         """Which old ranks' slots this rank reads (DCP's own plan for the template), each chunk assigned to one."""
         planner = dcp.DefaultLoadPlanner()
         planner.set_up_planner(self.template, self.reader.metadata)
         items = [i for i in planner.create_local_plan().items if i.type != LoadItemType.BYTE_IO]
+        self.items = items
         local = {r for r, holders in enumerate(self.candidate.holders) if any(h.node == self.node for h in holders)}
         need: set[int] = set()
         shared = []
@@ -332,34 +340,59 @@ class Reshard:
         self.objects_rank = min(need) if need else min(local, default=0)
         return need | {self.objects_rank}
 
-    def obtain(self, ranks: set[int]) -> None:
-        """Read (this node) or copy (a peer's agent) each old rank's slot, checksums checked; the non-tensor values
-        from one of them. ValueError or SnapshotReplicaError naming what is missing or damaged."""
-        peers = PeerList.read(self.root)
-        reachable = {p.node: p for p in peers.peers} if peers is not None else {}
-        for rank in sorted(ranks):
-            holders = self.candidate.holders[rank]
-            holding = next((h for h in holders if h.node == self.node), None)
-            if holding is not None:
-                folder, info = self.root / holding.path, holding.info
-                try:
-                    self.reader.buffers[rank] = read_slot(folder, info)
-                except ValueError as e:
-                    raise ValueError(f"old rank {rank}'s slot in {holding.path} on node {self.node}: {e}") from None
-            else:
-                holding = next((h for h in holders if h.node in reachable), None)
-                if holding is None:
-                    raise ValueError(f"old rank {rank}'s snapshot of step {self.candidate.step} is on node(s) "
-                                     f"{', '.join(sorted({h.node for h in holders}))}, which this node cannot reach")
-                folder = self.scratch / f"rank{rank}"
-                marker = fetch_slot(reachable[holding.node], holding.path, holding.info.slot, folder)
-                if (marker["step"], marker["checksum"]) != (holding.info.step, holding.info.checksum):
-                    raise ValueError(f"old rank {rank}'s slot on {holding.node} changed since it was listed")
-                info = SnapshotInfo(**marker)
-                self.reader.buffers[rank] = read_slot(folder, info, verify=False)  # checked as it arrived
-                self.fetched_from.append(holding.node)
+    def byte_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """The [start, end) byte ranges of old rank `rank`'s slot that this rank's load reads (after `plan`): per
+        chunk the span from the first to the last element read, exact for the rows of a dim-0 shard."""
+        out = []
+        for item in self.items:
+            old, shard = self.reader.assigned[item.storage_index]
+            if old != rank or not shard.nbytes or not all(item.lengths):
+                continue
+            itemsize = getattr(torch, shard.dtype).itemsize
+            strides = _row_major_strides(shard.shape)
+            first = sum(o * s for o, s in zip(item.storage_offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
+            out.append((shard.offset + first * itemsize, shard.offset + (last + 1) * itemsize))
+        return out
+
+    def _local_holding(self, rank: int) -> Optional[Holding]:
+        return next((h for h in self.candidate.holders[rank] if h.node == self.node), None)
+
+    def read_local(self, rank: int) -> None:
+        """Old rank `rank`'s slot on this node into the reader's buffers (mapped, checksum checked), unless there."""
+        if rank in self.reader.buffers:
+            return
+        holding = self._local_holding(rank)
+        assert holding is not None
+        try:
+            self.reader.buffers[rank] = read_slot(self.root / holding.path, holding.info)
+        except ValueError as e:
+            raise ValueError(f"old rank {rank}'s slot in {holding.path} on node {self.node}: {e}") from None
+
+    def local_objects(self, rank: int) -> list:
+        """The non-tensor values as old rank `rank`'s slot on this node holds them (its layout's `objects`)."""
+        holding = self._local_holding(rank)
+        assert holding is not None
+        return read_layout(self.root / holding.path, holding.info)["objects"]
+
+    def set_objects(self, objects: list) -> None:
+        self.reader.objects = objects_for(self.flat, self.mappings, objects)
+
+    def obtain(self, ranks: set[int], group: Optional[tuple[list[str], int, Callable[[Any], list[Any]]]] = None
+               ) -> None:
+        """Read (this node) or receive over the group (a collective, snapshot_exchange.py; `group`: each new rank's
+        node, this rank, an all-gather) each old rank's slot, checksums checked where they are held; the non-tensor
+        values from one of them. ValueError naming what is missing or damaged."""
+        received = exchange(self, ranks, *group) if group is not None and len(group[0]) > 1 else set()
+        for rank in sorted(ranks - received):
+            holding = self._local_holding(rank)
+            if holding is None:  # every slot listed is on a node of the group (its ranks list them): not expected
+                raise ValueError(f"old rank {rank}'s snapshot of step {self.candidate.step} is on node(s) "
+                                 f"{', '.join(sorted({h.node for h in self.candidate.holders[rank]}))}, none of "
+                                 f"which runs a rank of this group")
+            self.read_local(rank)
             if rank == self.objects_rank:
-                self.reader.objects = objects_for(self.flat, self.mappings, read_layout(folder, info)["objects"])
+                self.set_objects(self.local_objects(rank))
 
     def load(self) -> None:
         """DCP's load into the template (no collective: every rank has its own reader), then the Statefuls."""
@@ -375,6 +408,5 @@ class Reshard:
                 self.state[k] = self.template[k]
 
     def close(self) -> None:
-        """Release the buffers and remove the copies taken from peers."""
+        """Release the buffers (mapped slots, received ranges)."""
         self.reader.buffers.clear()
-        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -218,15 +218,24 @@ class StateCheckpointer:
         state = self.state.checkpoint_state(self.rank, for_load=True)
         reshard: Optional[Reshard] = None
         try:
+            need: set[int] = set()
             try:
                 reshard = Reshard(candidate, {old: s for part, _ in gathered for old, s in part.items()}, state,
                                   root, held[self.rank].node, self.rank)
-                reshard.obtain(reshard.plan())
+                need = reshard.plan()
+                error = None
+            except (ValueError, KeyError) as e:
+                error = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
+            if self._failed_on_some(step, self._all_gather(error)):  # the move over the group needs every plan
+                return None
+            assert reshard is not None
+            try:
+                reshard.obtain(need, ([h.node for h in held], self.rank, self._all_gather))
                 error = None
             except (ValueError, RuntimeError, KeyError, OSError, SnapshotReplicaError) as e:
                 error = f"{type(e).__name__}: {e}" if isinstance(e, (RuntimeError, KeyError)) else str(e)
-            outcomes = self._all_gather((error, tuple(reshard.fetched_from) if reshard is not None else ()))
-            if self._failed_on_some(step, [e for e, _ in outcomes]):
+            outcomes = self._all_gather((error, tuple(reshard.fetched_from), reshard.fetched_bytes, reshard.received))
+            if self._failed_on_some(step, [e for e, *_ in outcomes]):
                 return None
             assert reshard is not None
             try:
@@ -242,14 +251,16 @@ class StateCheckpointer:
                 raise SnapshotError(f"the in-memory snapshot of step {step} could not be loaded at world size "
                                     f"{self.world_size} and there is no durable checkpoint; a restart starts over")
             return None
-        fetched = [node for _, nodes in outcomes for node in nodes]
+        fetched = [node for _, nodes, _, _ in outcomes for node in nodes]
+        fetched_bytes, received = (sum(o[i] for o in outcomes) for i in (2, 3))
         seconds = time.monotonic() - started
         log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs, "
-                 "%d slot(s) copied from peers; newest durable checkpoint: %s)", step, candidate.world_size,
-                 self.world_size, seconds, len(fetched), durable)
+                 "%d slot(s) from peers, %d of them over the process group, %d bytes; newest durable checkpoint: %s)",
+                 step, candidate.world_size, self.world_size, seconds, len(fetched), received, fetched_bytes, durable)
         self._emit("checkpoint_snapshot_loaded", {
             "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds,
-            "fetched_slots": len(fetched), "from_nodes": sorted(set(fetched))[:8]})
+            "fetched_slots": len(fetched), "fetched_over_group": received, "fetched_bytes": fetched_bytes,
+            "from_nodes": sorted(set(fetched))[:8]})
         self.mgr.restored_elsewhere(state)
         self._durable_too(step, durable)
         return Resumed(f"snapshot:step-{step}", step, reseed=True)
