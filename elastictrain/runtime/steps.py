@@ -122,6 +122,8 @@ class StepLoop(InPlaceLoop):
         self._progress_at, self._progress_steps = -math.inf, 0
         self._stuck: Optional[StuckWatch] = None
         self._pausing = False
+        self._save_owed = False
+        """A durable save was due at a boundary where the group re-formed (a grow): it is made at the next step."""
         self._audit_dir = audit_dir
         self.ledger: Optional[SampleLedger] = None
         self._launch_seq = 0
@@ -296,7 +298,9 @@ class StepLoop(InPlaceLoop):
             self._report_progress()
         final = st.step == self.total
         if self.checkpointer is not None:
-            self.checkpointer.after_step(final=final, stopping=stop)
+            owed, self._save_owed = self._save_owed, False
+            self._save_owed = self.checkpointer.after_step(final=final, stopping=stop, owed=owed,
+                                                           regrouping=grow and not stop and not final)
             if ckpt_now and not stop:
                 self.checkpointer.save_now()
         if ckpt_now:

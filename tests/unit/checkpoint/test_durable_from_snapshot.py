@@ -110,3 +110,30 @@ def test_a_restart_at_a_step_with_both_tiers_loads_the_snapshot_and_counts_that_
         assert not [f for n, f in events if n == "checkpoint_saved"], events
     finally:
         again.close()
+
+
+def test_a_durable_save_due_where_the_group_re_forms_is_made_at_the_next_step_instead(tmp_path, monkeypatch):
+    """A grow in place waits for every durable save in flight (its group is replaced); one that falls due at the
+    grow's boundary would make the survivors wait for its whole write (6.4 s at 50M on 2 cores). It is deferred:
+    the next step is saved, after the re-form, from that step's snapshot."""
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    state, model, optim = _state(0)
+    cfg = CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, every_steps=2, storage_wait_s=0,
+                           keep_last=10)
+    ckpt = StateCheckpointer(cfg, state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    for _ in range(2):
+        _train(state, model, optim)
+        ckpt.snapshot_if_due(final=False)
+        owed = ckpt.after_step(final=False, stopping=False, regrouping=state.step == 2)
+    assert owed and not ckpt.saving, "nothing in flight at the re-form: the save of step 2 is owed"
+    ckpt.hand_over()
+    assert ckpt.mgr.newest_step() is None
+
+    after = StateCheckpointer(cfg, state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    try:
+        _train(state, model, optim)
+        after.snapshot_if_due(final=False)
+        assert not after.after_step(final=False, stopping=False, owed=True)
+    finally:
+        after.hand_over()  # the snapshot's copy committed, the save written from it finished
+    assert after.mgr.newest_step() == 3, "the owed save is made at the step after the re-form"
