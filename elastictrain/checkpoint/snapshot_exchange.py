@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from elastictrain.checkpoint.snapshot_reshard import Reshard
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +43,25 @@ class Ask:
     """[start, end) byte ranges of the slot, sorted, apart."""
     objects: bool
     """The slot's non-tensor values too (the asking rank reads them from this slot)."""
+
+
+class Restore(Protocol):
+    """What the exchange uses of a restore (`snapshot_reshard.Reshard`)."""
+
+    candidate: Any
+    """`.holders[old rank]`: the `Holding`s of that old rank's slot (`.node`, `.info.nbytes`)."""
+    node: str
+    objects_rank: int
+    reader: Any
+    """`.buffers`: old rank -> its slot's bytes."""
+    fetched_from: list[str]
+    fetched_bytes: int
+    received: int
+
+    def byte_ranges(self, rank: int) -> list[tuple[int, int]]: ...
+    def read_local(self, rank: int) -> None: ...
+    def local_objects(self, rank: int) -> list: ...
+    def set_objects(self, objects: list) -> None: ...
 
 
 def merge(ranges: list[tuple[int, int]], gap: int = MERGE_GAP) -> tuple[tuple[int, int], ...]:
@@ -73,7 +89,7 @@ def servers(asks: list[tuple[Ask, ...]], needs: list[tuple[int, ...]], holders: 
     return out
 
 
-def exchange(reshard: "Reshard", need: set[int], nodes: list[str], rank: int,
+def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
              all_gather: Callable[[Any], list[Any]]) -> set[int]:
     """The collective described in the module doc; which of `need` arrived over the group (their buffers and, if
     asked, the non-tensor values are in `reshard.reader`). ValueError (on every rank) when a server failed."""
