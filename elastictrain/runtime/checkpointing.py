@@ -228,6 +228,7 @@ class StateCheckpointer:
                 error = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
             if self._failed_on_some(step, self._all_gather(error)):  # the move over the group needs every plan
                 return None
+            planned = time.monotonic()  # each part is timed to the gather after it: the slowest rank's time
             assert reshard is not None
             try:
                 reshard.obtain(need, ([h.node for h in held], self.rank, self._all_gather))
@@ -237,6 +238,7 @@ class StateCheckpointer:
             outcomes = self._all_gather((error, tuple(reshard.fetched_from), reshard.fetched_bytes, reshard.received))
             if self._failed_on_some(step, [e for e, *_ in outcomes]):
                 return None
+            obtained = time.monotonic()
             assert reshard is not None
             try:
                 reshard.load()
@@ -253,12 +255,16 @@ class StateCheckpointer:
             return None
         fetched = [node for _, nodes, _, _ in outcomes for node in nodes]
         fetched_bytes, received = (sum(o[i] for o in outcomes) for i in (2, 3))
-        seconds = time.monotonic() - started
-        log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs, "
-                 "%d slot(s) from peers, %d of them over the process group, %d bytes; newest durable checkpoint: %s)",
-                 step, candidate.world_size, self.world_size, seconds, len(fetched), received, fetched_bytes, durable)
+        ended = time.monotonic()
+        seconds = ended - started
+        parts = {"plan_s": round(planned - started, 3), "obtain_s": round(obtained - planned, 3),
+                 "load_s": round(ended - obtained, 3)}
+        log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs: "
+                 "plan %.2fs, read/receive %.2fs, load %.2fs; %d slot(s) from peers, %d of them over the process "
+                 "group, %d bytes; newest durable checkpoint: %s)", step, candidate.world_size, self.world_size,
+                 seconds, *parts.values(), len(fetched), received, fetched_bytes, durable)
         self._emit("checkpoint_snapshot_loaded", {
-            "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds,
+            "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds, **parts,
             "fetched_slots": len(fetched), "fetched_over_group": received, "fetched_bytes": fetched_bytes,
             "from_nodes": sorted(set(fetched))[:8]})
         self.mgr.restored_elsewhere(state)
