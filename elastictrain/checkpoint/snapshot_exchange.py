@@ -12,8 +12,9 @@ says which ranges of which old slots it asks for (and the ranks that need no byt
 rank whose node holds the slot (the lowest that reads the slot for itself anyway, else the lowest), which reads and
 checks the whole slot's checksum (as a local read does) and answers with the slot's non-tensor values if asked; the
 ranks agree on every server's outcome (a missing or corrupt slot anywhere: ValueError on every rank, nothing moved);
-then the ranges move with `isend`/`irecv`, one message per range. A slot that no rank of the group holds is left to
-the caller (copied from a reachable peer's agent, as before).
+then the ranges move with `isend`/`irecv`, one message per range. Every slot a restore can choose is held on a node
+of the group (the group's ranks list the slots), so there is always a server; the agents' HTTP copy of a slot stays
+for a replacement at the same world size that lacks its own slot (checkpoint/replica_fetch.py).
 
 Integrity: the server checks the slot against its commit marker before sending; the receiver cannot check a part
 of a slot against the whole slot's checksum, and relies on the sender's check and the transport (TCP).
@@ -138,10 +139,11 @@ def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
             works.append(dist.irecv(buf[a:b], src=server, tag=_tag(ask.old_rank, tag)))
         reshard.reader.buffers[ask.old_rank] = buf
         got[ask.old_rank] = server
-        if ask.objects:
-            reshard.set_objects(outcomes[server][1][(rank, ask.old_rank)])
     for w in works:
         w.wait()
+    for ask in asks[rank]:  # after every message: a ValueError here leaves no peer waiting on this rank
+        if ask.objects and ask.old_rank in got:
+            reshard.set_objects(outcomes[got[ask.old_rank]][1][(rank, ask.old_rank)])
     reshard.received += len(got)
     for q, server in got.items():
         reshard.fetched_from.append(nodes[server])

@@ -301,7 +301,7 @@ class Reshard:
     """One rank's restore of a `Candidate` into `state` (a DCP state dict: Stateful or plain values)."""
 
     def __init__(self, candidate: Candidate, shards: dict[int, list[Shard]], state: dict[str, Any], root: Path,
-                 node: str, new_rank: int):
+                 node: str):
         self.candidate, self.state, self.root, self.node = candidate, state, root, node
         self.template = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()
                          if not is_per_rank_key(k)}

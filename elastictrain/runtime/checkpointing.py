@@ -221,7 +221,7 @@ class StateCheckpointer:
             need: set[int] = set()
             try:
                 reshard = Reshard(candidate, {old: s for part, _ in gathered for old, s in part.items()}, state,
-                                  root, held[self.rank].node, self.rank)
+                                  root, held[self.rank].node)
                 need = reshard.plan()
                 error = None
             except (ValueError, KeyError) as e:

@@ -64,7 +64,7 @@ def test_a_snapshot_of_two_ranks_holding_plain_tensors_loads_at_one_from_one_of_
     assert candidate is not None and candidate.step == 2
     shards = {r: read_shards(tmp_path, holders[0]) for r, holders in enumerate(candidate.holders)}
     fresh, _, _ = _state(9)
-    reshard = Reshard(candidate, shards, fresh.checkpoint_state(0, for_load=True), tmp_path, node_name(tmp_path), 0)
+    reshard = Reshard(candidate, shards, fresh.checkpoint_state(0, for_load=True), tmp_path, node_name(tmp_path))
     try:
         assert reshard.plan() == {0}, "every tensor from one old rank: the lowest this node holds"
         reshard.obtain({0})
