@@ -138,6 +138,7 @@ def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
         for tag, (a, b) in enumerate(ask.ranges):
             works.append(dist.irecv(buf[a:b], src=server, tag=_tag(ask.old_rank, tag)))
         reshard.reader.buffers[ask.old_rank] = buf
+        reshard.fetched_bytes += sum(b - a for a, b in ask.ranges)
         got[ask.old_rank] = server
     for w in works:
         w.wait()
@@ -145,9 +146,7 @@ def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
         if ask.objects and ask.old_rank in got:
             reshard.set_objects(outcomes[got[ask.old_rank]][1][(rank, ask.old_rank)])
     reshard.received += len(got)
-    for q, server in got.items():
-        reshard.fetched_from.append(nodes[server])
-        reshard.fetched_bytes += sum(b - a for a, b in next(a for a in asks[rank] if a.old_rank == q).ranges)
+    reshard.fetched_from.extend(nodes[server] for server in got.values())
     if got:
         log.info("received %d bytes of %d old slot(s) over the process group from rank(s) %s",
                  reshard.fetched_bytes, len(got), sorted(set(got.values())))

@@ -188,14 +188,6 @@ def objects_for(template: dict[str, Any], mappings: dict[str, tuple], objects: l
     return out
 
 
-def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _typed(buf: torch.Tensor, shard: Shard) -> torch.Tensor:
     raw = buf[shard.offset:shard.offset + shard.nbytes]
     dtype = getattr(torch, shard.dtype)
@@ -349,7 +341,7 @@ class Reshard:
             if old != rank or not shard.nbytes or not all(item.lengths):
                 continue
             itemsize = getattr(torch, shard.dtype).itemsize
-            strides = _row_major_strides(shard.shape)
+            strides = torch.empty(shard.shape, device="meta").stride()  # a contiguous tensor's, nothing allocated
             first = sum(o * s for o, s in zip(item.storage_offsets, strides))
             last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
             out.append((shard.offset + first * itemsize, shard.offset + (last + 1) * itemsize))

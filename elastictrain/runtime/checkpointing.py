@@ -233,7 +233,7 @@ class StateCheckpointer:
             try:
                 reshard.obtain(need, ([h.node for h in held], self.rank, self._all_gather))
                 error = None
-            except (ValueError, RuntimeError, KeyError, OSError, SnapshotReplicaError) as e:
+            except (ValueError, RuntimeError, KeyError, OSError) as e:
                 error = f"{type(e).__name__}: {e}" if isinstance(e, (RuntimeError, KeyError)) else str(e)
             outcomes = self._all_gather((error, tuple(reshard.fetched_from), reshard.fetched_bytes, reshard.received))
             if self._failed_on_some(step, [e for e, *_ in outcomes]):

@@ -298,8 +298,7 @@ class StepLoop(InPlaceLoop):
             self._report_progress()
         final = st.step == self.total
         if self.checkpointer is not None:
-            owed, self._save_owed = self._save_owed, False
-            self._save_owed = self.checkpointer.after_step(final=final, stopping=stop, owed=owed,
+            self._save_owed = self.checkpointer.after_step(final=final, stopping=stop, owed=self._save_owed,
                                                            regrouping=grow and not stop and not final)
             if ckpt_now and not stop:
                 self.checkpointer.save_now()

@@ -142,7 +142,6 @@ def test_snapshots_of_two_ranks_restore_at_one_and_at_three_and_a_corrupt_slot_f
     _assert_resumed_as_saved(three, saved, old_world=2, fetched=1)
     loaded = next(f for name, f in three[0]["events"] if name == "checkpoint_snapshot_loaded")
     assert loaded["from_nodes"] == ["a"]
-    assert not (n["c"] / "reshard").exists(), "nothing is written on the receiving node"
     print(f"2 -> 1: {_timing(one)}; 2 -> 3: {_timing(three)}")
 
     newest = max(committed_markers(n["a"] / REPLICAS_DIR / "b" / "rank1"), key=lambda m: m["step"])
@@ -177,5 +176,4 @@ def test_snapshots_of_one_or_three_ranks_restore_at_two(tmp_path, nodes, old):
         # Rank 0's rows of the first tensor are not sent (the gaps between the later ones are: under MERGE_GAP).
         assert 0 < loaded["fetched_bytes"] < slot["nbytes"], \
             f"only the ranges rank 1 owns move: {loaded['fetched_bytes']} of the slot's {slot['nbytes']} bytes"
-        assert not (n["c"] / "reshard").exists(), "nothing is written on the receiving node"
     print(f"{len(old)} -> 2: {_timing(results)}")
