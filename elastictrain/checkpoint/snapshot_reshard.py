@@ -17,14 +17,19 @@ rank whose node holds them (checkpoint/snapshot_exchange.py): each slot's checks
 
 The order of a restore (`Reshard`): `plan()` (which old slots this rank needs: the ones whose chunks overlap its
 shards, one for the values every old rank holds alike, preferring those it already reads or has on its node), then
-`obtain()` (read or receive them, checksums checked, nothing changed yet), then `load()`. The caller agrees with the
-other ranks between the steps, so that a missing or corrupt slot anywhere leaves every rank's state untouched.
+`obtain()` (read or receive them, checksums checked), then `load()`. The caller agrees with the other ranks between
+the steps, so that a missing or corrupt slot anywhere leaves every rank's state untouched: servers check their slots
+and the ranks agree on it before any byte moves. What is received goes straight into the state where a load item's
+bytes lie in one piece in the slot and in the destination (`into_place`: at 150M parameters all but the smallest
+items), the rest into a buffer that the load copies from; a transport error during the move can leave part of the
+state written, which the fallback (the durable load, or a restart when there is none) overwrites.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import socket
 import warnings
 from collections import defaultdict
@@ -44,16 +49,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.futures import Future
 
 from elastictrain.checkpoint.compat import is_per_rank_key
 from elastictrain.checkpoint.replica_wire import RANK_PATH, REPLICAS_DIR, PeerList, committed_markers
 from elastictrain.checkpoint.snapshot import SnapshotInfo, read_layout, read_slot, same_job
-from elastictrain.checkpoint.snapshot_exchange import exchange
+from elastictrain.checkpoint.snapshot_exchange import MERGE_GAP, exchange
 
 log = logging.getLogger(__name__)
+
+IN_PLACE_MIN = MERGE_GAP
+"""A load item's bytes received over the group straight into its destination from this size on; smaller ones go
+into a buffer, merged with their neighbours (fewer messages), and are copied from there at the load."""
+
 
 @dataclass(frozen=True)
 class Holding:
@@ -209,6 +219,8 @@ class SnapshotReader(dcp.StorageReader):
         self.assigned: dict[MetadataIndex, tuple[int, Shard]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.objects: dict[str, Any] = {}
+        self.in_place: set[ReadItem] = set()
+        """Items already in their destination (received there over the group): the load skips them."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -236,6 +248,9 @@ class SnapshotReader(dcp.StorageReader):
                 torch.save(self.objects[item.storage_index.fqn], data)
                 data.seek(0)
                 planner.load_bytes(item, data)
+                continue
+            if item in self.in_place:
+                planner.commit_tensor(item, planner.resolve_tensor(item).detach())
                 continue
             rank, shard = self.assigned[item.storage_index]
             source = narrow_tensor_by_index(_typed(self.buffers[rank], shard), item.storage_offsets, item.lengths)
@@ -307,6 +322,10 @@ class Reshard:
         """The bytes of those: whole slots copied, the ranges received."""
         self.received = 0
         """How many of those came over the group (snapshot_exchange.py)."""
+        self.in_place_bytes = 0
+        """The received bytes that went straight into the state (`into_place`)."""
+        self.wrote_state = False
+        """Whether receives into the state were posted: a failure after that can leave it partly written."""
         self.items: list = []
 
     def plan(self) -> set[int]:
@@ -314,7 +333,7 @@ class Reshard:
         planner = dcp.DefaultLoadPlanner()
         planner.set_up_planner(self.template, self.reader.metadata)
         items = [i for i in planner.create_local_plan().items if i.type != LoadItemType.BYTE_IO]
-        self.items = items
+        self.items, self._planner = items, planner
         local = {r for r, holders in enumerate(self.candidate.holders) if any(h.node == self.node for h in holders)}
         need: set[int] = set()
         shared = []
@@ -332,9 +351,9 @@ class Reshard:
         self.objects_rank = min(need) if need else min(local, default=0)
         return need | {self.objects_rank}
 
-    def byte_ranges(self, rank: int) -> list[tuple[int, int]]:
-        """The [start, end) byte ranges of old rank `rank`'s slot that this rank's load reads (after `plan`): per
-        chunk the span from the first to the last element read, exact for the rows of a dim-0 shard."""
+    def _spans(self, rank: int) -> list[tuple[ReadItem, Shard, int, int]]:
+        """Per load item reading old rank `rank`'s slot: the [start, end) bytes of the slot from its first to its last
+        element, exact for the rows of a dim-0 shard."""
         out = []
         for item in self.items:
             old, shard = self.reader.assigned[item.storage_index]
@@ -344,7 +363,35 @@ class Reshard:
             strides = torch.empty(shard.shape, device="meta").stride()  # a contiguous tensor's, nothing allocated
             first = sum(o * s for o, s in zip(item.storage_offsets, strides))
             last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
-            out.append((shard.offset + first * itemsize, shard.offset + (last + 1) * itemsize))
+            out.append((item, shard, shard.offset + first * itemsize, shard.offset + (last + 1) * itemsize))
+        return out
+
+    def _in_place_target(self, item: ReadItem, shard: Shard, start: int, end: int) -> Optional[torch.Tensor]:
+        """The bytes of `item`'s destination, if the span `start`-`end` of the slot can be received straight into
+        them: the span holds exactly the item's elements (nothing between its rows), the destination is a contiguous
+        CPU tensor of the stored dtype, and the span is at least IN_PLACE_MIN bytes (smaller ones are merged)."""
+        if end - start < IN_PLACE_MIN or end - start != math.prod(item.lengths) * getattr(torch, shard.dtype).itemsize:
+            return None
+        target = self._planner.resolve_tensor(item).detach()
+        if (target.device.type != "cpu" or target.dtype != getattr(torch, shard.dtype) or not target.is_contiguous()
+                or target.numel() * target.element_size() != end - start):
+            return None
+        return target.view(-1).view(torch.uint8)
+
+    def byte_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """The [start, end) byte ranges of old rank `rank`'s slot that this rank's load reads from a buffer (after
+        `plan`): those of the items that `into_place` does not receive straight into their destination."""
+        return [(a, b) for item, shard, a, b in self._spans(rank) if self._in_place_target(item, shard, a, b) is None]
+
+    def into_place(self, rank: int) -> list[tuple[tuple[int, int], torch.Tensor, ReadItem]]:
+        """The items of old rank `rank`'s slot that can be received straight into their destination in the state
+        (no buffer, no copy at the load): each one's byte range, destination bytes and load item. Once they are
+        there, `reader.in_place` names the items so that the load skips them."""
+        out = []
+        for item, shard, a, b in self._spans(rank):
+            target = self._in_place_target(item, shard, a, b)
+            if target is not None:
+                out.append(((a, b), target, item))
         return out
 
     def _local_holding(self, rank: int) -> Optional[Holding]:

@@ -235,8 +235,13 @@ class StateCheckpointer:
                 error = None
             except (ValueError, RuntimeError, KeyError, OSError) as e:
                 error = f"{type(e).__name__}: {e}" if isinstance(e, (RuntimeError, KeyError)) else str(e)
-            outcomes = self._all_gather((error, tuple(reshard.fetched_from), reshard.fetched_bytes, reshard.received))
+            outcomes = self._all_gather((error, tuple(reshard.fetched_from), reshard.fetched_bytes, reshard.received,
+                                         reshard.in_place_bytes, reshard.wrote_state))
             if self._failed_on_some(step, [e for e, *_ in outcomes]):
+                if durable is None and any(o[5] for o in outcomes):  # every rank stops, not only the written
+                    raise SnapshotError(f"the in-memory snapshot of step {step} could not be received at world size "
+                                        f"{self.world_size} after part of it went into the state, and there is no "
+                                        f"durable checkpoint; a restart starts over")
                 return None
             obtained = time.monotonic()
             assert reshard is not None
@@ -253,19 +258,21 @@ class StateCheckpointer:
                 raise SnapshotError(f"the in-memory snapshot of step {step} could not be loaded at world size "
                                     f"{self.world_size} and there is no durable checkpoint; a restart starts over")
             return None
-        fetched = [node for _, nodes, _, _ in outcomes for node in nodes]
-        fetched_bytes, received = (sum(o[i] for o in outcomes) for i in (2, 3))
+        fetched = [node for _, nodes, *_ in outcomes for node in nodes]
+        fetched_bytes, received, in_place = (sum(o[i] for o in outcomes) for i in (2, 3, 4))
         ended = time.monotonic()
         seconds = ended - started
         parts = {"plan_s": round(planned - started, 3), "obtain_s": round(obtained - planned, 3),
                  "load_s": round(ended - obtained, 3)}
         log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs: "
                  "plan %.2fs, read/receive %.2fs, load %.2fs; %d slot(s) from peers, %d of them over the process "
-                 "group, %d bytes; newest durable checkpoint: %s)", step, candidate.world_size, self.world_size,
-                 seconds, *parts.values(), len(fetched), received, fetched_bytes, durable)
+                 "group, %d bytes, %d of them straight into place; newest durable checkpoint: %s)", step,
+                 candidate.world_size, self.world_size, seconds, *parts.values(), len(fetched), received, fetched_bytes,
+                 in_place, durable)
         self._emit("checkpoint_snapshot_loaded", {
             "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds, **parts,
             "fetched_slots": len(fetched), "fetched_over_group": received, "fetched_bytes": fetched_bytes,
+            "fetched_in_place_bytes": in_place,
             "from_nodes": sorted(set(fetched))[:8]})
         self.mgr.restored_elsewhere(state)
         self._durable_too(step, durable)

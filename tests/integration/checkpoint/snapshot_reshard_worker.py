@@ -4,9 +4,10 @@ snapshots every step, a durable checkpoint every 2 steps).
 
 `save` trains 3 steps (snapshots of steps 1-3, a durable checkpoint of step 2); `restore` builds the same job from
 other initial weights and restores (the snapshot of step 3 at another world size), then loads the durable checkpoint
-of step 2 at the same size, timed for comparison. Each rank writes `result-<rank>.json`: the full-state digests
-(a collective over the gathered parameters and optimizer state), step, data position, learning rate, the samples
-it plans for the next step, where it resumed from and the checkpoint events.
+of step 2 at the same size, timed for comparison. `in_place_min` in the arguments sets the size from which received
+bytes go straight into the state (`snapshot_reshard.IN_PLACE_MIN`). Each rank writes `result-<rank>.json`: the
+full-state digests (a collective over the gathered parameters and optimizer state), step, data position, learning
+rate, the samples it plans for the next step, where it resumed from and the checkpoint events.
 
 Run as `python -m tests.integration.checkpoint.snapshot_reshard_worker <rank> <world> <port> <args.json>`.
 """
@@ -85,6 +86,10 @@ def main(rank: int, world: int, port: int, args_path: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if "in_place_min" in args:  # this MLP's items are far below the default: received straight into place all the same
+        from elastictrain.checkpoint import snapshot_reshard
+
+        snapshot_reshard.IN_PLACE_MIN = args["in_place_min"]
     state, ckpt, events = _job(rank, world, args)
     result: dict[str, Any] = {}
     if args["scenario"] == "save":

@@ -142,6 +142,7 @@ def test_snapshots_of_two_ranks_restore_at_one_and_at_three_and_a_corrupt_slot_f
     _assert_resumed_as_saved(three, saved, old_world=2, fetched=1)
     loaded = next(f for name, f in three[0]["events"] if name == "checkpoint_snapshot_loaded")
     assert loaded["from_nodes"] == ["a"]
+    assert loaded["fetched_bytes"] > 0 and loaded["fetched_in_place_bytes"] == 0, "items this small: into a buffer"
     print(f"2 -> 1: {_timing(one)}; 2 -> 3: {_timing(three)}")
 
     newest = max(committed_markers(n["a"] / REPLICAS_DIR / "b" / "rank1"), key=lambda m: m["step"])
@@ -168,12 +169,14 @@ def test_snapshots_of_one_or_three_ranks_restore_at_two(tmp_path, nodes, old):
     else:
         n.group("ac")  # node c joins: its rank receives the rows it owns of old rank 0's slot from a's rank
         new, fetched = [n["a"], n["c"]], 1
-    results = _launch(tmp_path / "restore", new, {"scenario": "restore", "url": url})
+    # 1 -> 2: every item received straight into the state (the 2 -> 3 restore above goes through a buffer).
+    results = _launch(tmp_path / "restore", new, {"scenario": "restore", "url": url, "in_place_min": 1})
     _assert_resumed_as_saved(results, saved, old_world=len(old), fetched=fetched)
     if fetched:
         loaded = next(f for name, f in results[0]["events"] if name == "checkpoint_snapshot_loaded")
         slot = max(committed_markers(n["a"] / "rank0"), key=lambda m: m["step"])
-        # Rank 0's rows of the first tensor are not sent (the gaps between the later ones are: under MERGE_GAP).
-        assert 0 < loaded["fetched_bytes"] < slot["nbytes"], \
-            f"only the ranges rank 1 owns move: {loaded['fetched_bytes']} of the slot's {slot['nbytes']} bytes"
+        # Rank 1's rows only, each tensor's in its own message: not rank 0's rows, nor the gaps between tensors.
+        assert 0 < loaded["fetched_bytes"] < slot["nbytes"] // 2 + 64, \
+            f"only the rows rank 1 owns move: {loaded['fetched_bytes']} of the slot's {slot['nbytes']} bytes"
+        assert loaded["fetched_in_place_bytes"] == loaded["fetched_bytes"], loaded
     print(f"{len(old)} -> 2: {_timing(results)}")
