@@ -142,9 +142,13 @@ class EtcdClient:
         creds = None
         if s.tls:
             creds = MultiEndpointEtcd3Client.get_secure_creds(s.cacert, s.key, s.cert)
+        # pyetcd takes an endpoint out of use for `time_retry` s after an RPC on it timed out or failed, so that the
+        # next call goes to another member. A lone endpoint has no other: out of use, every call in that second
+        # failed at once (NoServerAvailableError), and one slow lease keep-alive cost the next ones too.
+        retry = _ENDPOINT_RETRY_S if len(s.endpoints) > 1 else 0.0
         # netloc keeps IPv6 hosts bracketed, as gRPC targets need.
         endpoints = [
-            Endpoint(ep.netloc.rsplit(":", 1)[0], ep.port, secure=s.tls, creds=creds, time_retry=_ENDPOINT_RETRY_S)
+            Endpoint(ep.netloc.rsplit(":", 1)[0], ep.port, secure=s.tls, creds=creds, time_retry=retry)
             for ep in s.endpoints
         ]
         client = MultiEndpointEtcd3Client(

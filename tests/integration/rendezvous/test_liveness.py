@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 
 from elastictrain.rendezvous.liveness import NodeLiveness
@@ -57,3 +60,26 @@ def test_a_cache_miss_is_confirmed_against_etcd_before_declaring_a_node_lost(mak
     assert a.lost({"fresh"}) == set()
     assert a.lost({"never-registered"}) == {"never-registered"}
     a.stop()
+
+
+def test_a_stall_of_etcd_shorter_than_the_ttl_keeps_the_lease_and_is_reported(make_client, etcd_private, run_id,
+                                                                              caplog) -> None:
+    prefix = f"/elastictrain/{run_id}/nodes"
+    node = NodeLiveness(make_client(etcd_private.endpoint, run_id), prefix, "slow-etcd", ttl=5)
+    watcher = NodeLiveness(make_client(etcd_private.endpoint, run_id), prefix, "watcher", ttl=5)
+    node.start()
+    watcher.start()
+    _wait_for(lambda: "slow-etcd" in watcher.alive_nodes(), 5)
+    with caplog.at_level(logging.WARNING, logger="elastictrain.rendezvous.liveness"):
+        os.kill(etcd_private.pid, signal.SIGSTOP)  # etcd answers nothing for 2.6 s (a disk stall, a starved CPU)
+        try:
+            time.sleep(2.6)
+        finally:
+            os.kill(etcd_private.pid, signal.SIGCONT)
+        _wait_for(lambda: "renewed" in caplog.text, 5)
+        time.sleep(1.0)
+    assert "lease of node slow-etcd renewed" in caplog.text, caplog.text
+    assert watcher.lost({"slow-etcd"}) == set(), "a stall shorter than the TTL must not cost the lease"
+    assert "expired" not in caplog.text, caplog.text
+    node.stop()
+    watcher.stop()
