@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -36,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from elastictrain.testing.ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -136,22 +137,12 @@ def _launch(work: Path, roots: list[Path], args: dict[str, Any], timeout: float)
     args = {**args, "roots": [str(r) for r in roots]}
     (work / "args.json").write_text(json.dumps(args))
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    port, world, procs = _free_port(), len(roots), []
-    for r in range(world):
-        with open(work / f"rank{r}.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), str(port),
-                                           str(work / "args.json")], cwd=REPO, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    for r, p in enumerate(procs):
-        if p.returncode != 0:
-            raise RuntimeError(f"rank {r} exited {p.returncode}:\n" + (work / f"rank{r}.log").read_text()[-4000:])
+    port, world = _free_port(), len(roots)
+    codes = run_ranks(lambda r: [sys.executable, __file__, "--worker", str(r), str(world), str(port),
+                                 str(work / "args.json")], world, work, timeout, env=env, cwd=REPO)
+    for r, code in enumerate(codes):
+        if code != 0:
+            raise RuntimeError(f"rank {r} exited {code}:\n" + (work / f"rank{r}.log").read_text()[-4000:])
     return [json.loads((work / f"result-{r}.json").read_text()) for r in range(world)]
 
 

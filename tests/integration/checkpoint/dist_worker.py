@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from elastictrain.testing.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -39,31 +39,15 @@ def launch(world: int, args: dict[str, Any], out: Path, timeout_s: float = 120.0
     # MASTER_ADDR: DCP's process-mode checkpointer would otherwise rendezvous on the host's FQDN.
     env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = []
-    for r in range(world):
-        log = open(out / f"rank{r}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.integration.checkpoint.dist_worker", str(r),
-                                       str(world), str(port), str(out / "args.json")],
-                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+    codes = run_ranks(lambda r: [sys.executable, "-m", "tests.integration.checkpoint.dist_worker", str(r), str(world),
+                                 str(port), str(out / "args.json")], world, out, timeout_s, env=env, cwd=REPO)
     expect_exit = expect_exit or {}
     results = []
-    for r, p in enumerate(procs):
+    for r, code in enumerate(codes):
         want = expect_exit.get(r, 0)
-        if p.returncode != want:
+        if code != want:
             tail = (out / f"rank{r}.log").read_text(errors="replace")[-4000:]
-            raise AssertionError(f"rank {r} exited with {p.returncode} (expected {want}):\n{tail}")
+            raise AssertionError(f"rank {r} exited with {code} (expected {want}):\n{tail}")
         f = out / f"result-{r}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {})
     return results

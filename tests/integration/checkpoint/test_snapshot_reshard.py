@@ -14,10 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ import pytest
 from elastictrain.checkpoint.replica_server import ReplicaServer
 from elastictrain.checkpoint.replica_wire import REPLICAS_DIR, PeerList, committed_markers
 from elastictrain.runtime.cursor import GlobalOrder
+from elastictrain.testing.ranks import run_ranks
 from tests.integration.checkpoint.dist_worker import REPO, free_port
 from tests.integration.checkpoint.snapshot_reshard_worker import GLOBAL_BATCH, NUM_SAMPLES, SEED
 
@@ -44,21 +42,11 @@ def _launch(out: Path, nodes: list[Path], args: dict[str, Any]) -> list[dict[str
     (out / "args.json").write_text(json.dumps(args))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    port, world, procs = free_port(), len(nodes), []
-    for r in range(world):
-        with open(out / f"rank{r}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.checkpoint.snapshot_reshard_worker", str(r), str(world),
-                 str(port), str(out / "args.json")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 240
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n" + (out / f"rank{r}.log").read_text()[-4000:]
+    port, world = free_port(), len(nodes)
+    codes = run_ranks(lambda r: [sys.executable, "-m", "tests.integration.checkpoint.snapshot_reshard_worker", str(r),
+                                 str(world), str(port), str(out / "args.json")], world, out, 240, env=env, cwd=REPO)
+    for r, code in enumerate(codes):
+        assert code == 0, f"rank {r} exited {code}:\n" + (out / f"rank{r}.log").read_text()[-4000:]
     return [json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
 
 
