@@ -167,7 +167,7 @@ class NodeLiveness:
                 # Bounded retries: the loop itself retries, and a refresh late by more than the
                 # TTL is useless anyway.
                 remaining = self._client.lease_refresh(self._lease_id or 0, tolerance=interval)
-                renewed = self._renewed(renewed, remaining)
+                renewed = self._renewed(renewed, remaining, interval)
                 if remaining <= 0:
                     # Our lease expired (e.g. we were cut off longer than the TTL): peers have
                     # dropped us; re-register so that we can join the next round.
@@ -181,7 +181,7 @@ class NodeLiveness:
             except Exception as exc:  # noqa: BLE001 - keep the thread alive through etcd outages
                 logger.warning("keep-alive of node %s failed (%s); retrying", self.node_id, exc)
 
-    def _renewed(self, previous: float, remaining: int) -> float:
+    def _renewed(self, previous: float, remaining: int, interval: float) -> float:
         """When this renewal returned; a warning when it came more than half the TTL after the one before (the next
         delay of that kind can cost the lease, and peers then count this live node as lost)."""
         now = time.monotonic()
@@ -189,6 +189,5 @@ class NodeLiveness:
         if remaining > 0 and gap > self._ttl / 2:
             logger.warning("lease of node %s renewed %.1f s after the previous renewal (ttl %s s, renewed every %.1f "
                            "s): etcd or this agent was slow to answer (etcd's disk busy with other writes, CPU "
-                           "starved); a longer rendezvous lease_ttl rides it out", self.node_id, gap, self._ttl,
-                           max(self._ttl / 3.0, 0.5))
+                           "starved); a longer rendezvous lease_ttl rides it out", self.node_id, gap, self._ttl, interval)
         return now
