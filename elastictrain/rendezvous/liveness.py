@@ -189,5 +189,6 @@ class NodeLiveness:
         if remaining > 0 and gap > self._ttl / 2:
             logger.warning("lease of node %s renewed %.1f s after the previous renewal (ttl %s s, renewed every %.1f "
                            "s): etcd or this agent was slow to answer (etcd's disk busy with other writes, CPU "
-                           "starved); a longer rendezvous lease_ttl rides it out", self.node_id, gap, self._ttl, interval)
+                           "starved); a longer rendezvous lease_ttl rides it out", self.node_id, gap, self._ttl,
+                           interval)
         return now
