@@ -13,7 +13,7 @@ rank whose node holds the slot (the lowest that reads the slot for itself anyway
 checks the whole slot's checksum (as a local read does) and answers with the slot's non-tensor values if asked; the
 ranks agree on every server's outcome (a missing or corrupt slot anywhere: ValueError on every rank, nothing moved);
 then the ranges move with `isend`/`irecv`, one message per range: a load item that lies in one piece in the slot and
-in its destination (`Restore.into_place`) is received straight into the state (no buffer to fault in, no copy at
+in its destination (`Restore.ranges`) is received straight into the state (no buffer to fault in, no copy at
 the load: a 1 -> 2 restore alone, benchmarks/grow_restore.py, took 1.09 s instead of 1.85 s at 50M parameters and
 2.16 s instead of 2.75 s at 150M), the smaller ones merged into a buffer. Every slot a restore can choose is held on
 a node of the group (the group's ranks list the slots), so there is always a server; the agents' HTTP copy of a slot
@@ -65,8 +65,7 @@ class Restore(Protocol):
     in_place_bytes: int
     wrote_state: bool
 
-    def byte_ranges(self, rank: int) -> list[tuple[int, int]]: ...
-    def into_place(self, rank: int) -> list[tuple[tuple[int, int], torch.Tensor, Any]]: ...
+    def ranges(self, rank: int) -> tuple[list[tuple[int, int]], list[tuple[tuple[int, int], torch.Tensor, Any]]]: ...
     def read_local(self, rank: int) -> None: ...
     def local_objects(self, rank: int) -> list: ...
     def set_objects(self, objects: list) -> None: ...
@@ -109,9 +108,8 @@ def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
     try:
         for q in sorted(need):
             if reshard.node not in holders[q] and holders[q] & (group_nodes - {reshard.node}):
-                direct[q] = reshard.into_place(q)
-                ranges = merge(reshard.byte_ranges(q)) + tuple(r for r, _, _ in direct[q])
-                mine += (Ask(q, ranges, q == reshard.objects_rank),)
+                buffered, direct[q] = reshard.ranges(q)
+                mine += (Ask(q, merge(buffered) + tuple(r for r, _, _ in direct[q]), q == reshard.objects_rank),)
     except Exception as e:  # noqa: BLE001 - every rank must reach the gather; the error is raised after it
         error = f"{type(e).__name__}: {e}"
     said = all_gather((mine, tuple(sorted(need)), error))

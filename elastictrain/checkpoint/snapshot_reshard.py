@@ -20,7 +20,7 @@ shards, one for the values every old rank holds alike, preferring those it alrea
 `obtain()` (read or receive them, checksums checked), then `load()`. The caller agrees with the other ranks between
 the steps, so that a missing or corrupt slot anywhere leaves every rank's state untouched: servers check their slots
 and the ranks agree on it before any byte moves. What is received goes straight into the state where a load item's
-bytes lie in one piece in the slot and in the destination (`into_place`: at 150M parameters all but the smallest
+bytes lie in one piece in the slot and in the destination (`ranges`: at 150M parameters all but the smallest
 items), the rest into a buffer that the load copies from; a transport error during the move can leave part of the
 state written, which the fallback (the durable load, or a restart when there is none) overwrites.
 """
@@ -323,7 +323,7 @@ class Reshard:
         self.received = 0
         """How many of those came over the group (snapshot_exchange.py)."""
         self.in_place_bytes = 0
-        """The received bytes that went straight into the state (`into_place`)."""
+        """The received bytes that went straight into the state (`ranges`)."""
         self.wrote_state = False
         """Whether receives into the state were posted: a failure after that can leave it partly written."""
         self.items: list = []
@@ -378,21 +378,19 @@ class Reshard:
             return None
         return target.view(-1).view(torch.uint8)
 
-    def byte_ranges(self, rank: int) -> list[tuple[int, int]]:
-        """The [start, end) byte ranges of old rank `rank`'s slot that this rank's load reads from a buffer (after
-        `plan`): those of the items that `into_place` does not receive straight into their destination."""
-        return [(a, b) for item, shard, a, b in self._spans(rank) if self._in_place_target(item, shard, a, b) is None]
-
-    def into_place(self, rank: int) -> list[tuple[tuple[int, int], torch.Tensor, ReadItem]]:
-        """The items of old rank `rank`'s slot that can be received straight into their destination in the state
-        (no buffer, no copy at the load): each one's byte range, destination bytes and load item. Once they are
+    def ranges(self, rank: int) -> tuple[list[tuple[int, int]], list[tuple[tuple[int, int], torch.Tensor, ReadItem]]]:
+        """What this rank's load reads of old rank `rank`'s slot (after `plan`), split in two: the [start, end) byte
+        ranges to read from a buffer, and the items that can be received straight into their destination in the
+        state (no buffer, no copy at the load), each as (byte range, destination bytes, load item). Once those are
         there, `reader.in_place` names the items so that the load skips them."""
-        out = []
+        buffered, into = [], []
         for item, shard, a, b in self._spans(rank):
             target = self._in_place_target(item, shard, a, b)
-            if target is not None:
-                out.append(((a, b), target, item))
-        return out
+            if target is None:
+                buffered.append((a, b))
+            else:
+                into.append(((a, b), target, item))
+        return buffered, into
 
     def _local_holding(self, rank: int) -> Optional[Holding]:
         return next((h for h in self.candidate.holders[rank] if h.node == self.node), None)

@@ -19,13 +19,20 @@ def _wait_for(predicate, timeout: float) -> float:
     raise AssertionError(f"condition not met within {timeout} s")
 
 
-def test_peers_see_each_other_and_a_clean_stop_at_once(make_client, etcd, run_id) -> None:
+def _two_nodes(make_client, endpoint: str, run_id: str, watcher: str, watched: str,
+               ttl: int) -> tuple[NodeLiveness, NodeLiveness]:
+    """Two started nodes of one job, once the first sees the second."""
     prefix = f"/elastictrain/{run_id}/nodes"
-    a = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "a", ttl=2)
-    b = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "b", ttl=2)
-    a.start()
-    b.start()
-    _wait_for(lambda: a.alive_nodes() == {"a", "b"}, 5)
+    nodes = tuple(NodeLiveness(make_client(endpoint, run_id), prefix, name, ttl=ttl) for name in (watcher, watched))
+    for node in nodes:
+        node.start()
+    _wait_for(lambda: watched in nodes[0].alive_nodes(), 5)
+    return nodes
+
+
+def test_peers_see_each_other_and_a_clean_stop_at_once(make_client, etcd, run_id) -> None:
+    a, b = _two_nodes(make_client, etcd.endpoint, run_id, "a", "b", ttl=2)
+    assert a.alive_nodes() == {"a", "b"}
     b.stop()  # revokes the lease
     assert _wait_for(lambda: "b" not in a.alive_nodes(), 5) < 1.0
     assert a.lost({"a", "b"}) == {"b"}
@@ -33,12 +40,7 @@ def test_peers_see_each_other_and_a_clean_stop_at_once(make_client, etcd, run_id
 
 
 def test_a_node_that_stops_refreshing_is_lost_after_its_ttl(make_client, etcd, run_id) -> None:
-    prefix = f"/elastictrain/{run_id}/nodes"
-    survivor = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "survivor", ttl=2)
-    victim = NodeLiveness(make_client(etcd.endpoint, run_id), prefix, "victim", ttl=2)
-    survivor.start()
-    victim.start()
-    _wait_for(lambda: "victim" in survivor.alive_nodes(), 5)
+    survivor, victim = _two_nodes(make_client, etcd.endpoint, run_id, "survivor", "victim", ttl=2)
     # Simulate SIGKILL: the keep-alive thread stops, nobody revokes the lease.
     victim._stop.set()
     start = time.monotonic()
@@ -64,12 +66,7 @@ def test_a_cache_miss_is_confirmed_against_etcd_before_declaring_a_node_lost(mak
 
 def test_a_stall_of_etcd_shorter_than_the_ttl_keeps_the_lease_and_is_reported(make_client, etcd_private, run_id,
                                                                               caplog) -> None:
-    prefix = f"/elastictrain/{run_id}/nodes"
-    node = NodeLiveness(make_client(etcd_private.endpoint, run_id), prefix, "slow-etcd", ttl=5)
-    watcher = NodeLiveness(make_client(etcd_private.endpoint, run_id), prefix, "watcher", ttl=5)
-    node.start()
-    watcher.start()
-    _wait_for(lambda: "slow-etcd" in watcher.alive_nodes(), 5)
+    watcher, node = _two_nodes(make_client, etcd_private.endpoint, run_id, "watcher", "slow-etcd", ttl=5)
     with caplog.at_level(logging.WARNING, logger="elastictrain.rendezvous.liveness"):
         os.kill(etcd_private.pid, signal.SIGSTOP)  # etcd answers nothing for 2.6 s (a disk stall, a starved CPU)
         try:
