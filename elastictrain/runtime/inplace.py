@@ -453,6 +453,29 @@ def abort_groups() -> None:
         dist.destroy_process_group()
 
 
+PLACEHOLDER_BACKEND = "elastictrain_placeholder"
+"""The backend of a joining worker's group until it joins the real one (`init_placeholder`)."""
+
+
+def _placeholder_group(common_opts: Any, backend_opts: Any) -> dist.ProcessGroup:
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    options = FakeProcessGroup.Options()
+    options.error_on_collective = True
+    return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, options)
+
+
+def init_placeholder(rank: int, world_size: int) -> None:
+    """A default group of `world_size` that connects to nobody, for a worker that joins a running group (a grow's
+    new rank, a replacement): it builds its mesh, model, optimizer and their memory on it before the others stop
+    for it, then trades it for the real group (`Session.join`). Any collective on it raises ("FakeProcessGroup
+    collective operation error"): a script runs none between `Worker` start and its step loop."""
+    if not hasattr(dist.Backend, PLACEHOLDER_BACKEND.upper()):
+        dist.Backend.register_backend(PLACEHOLDER_BACKEND, _placeholder_group, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    dist.init_process_group(backend=PLACEHOLDER_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
 def init_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
                device: torch.device, avoid_ports: Optional[set[int]] = None) -> None:
     """The default process group of a generation; its name is the first group's ("0") again, so the device mesh,
@@ -465,10 +488,11 @@ def init_world(store: dist.Store, rank: int, world_size: int, timeout: datetime.
         dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def rebind_fsdp(root: torch.nn.Module) -> int:
+def rebind_fsdp(root: torch.nn.Module, reset: bool = True) -> int:
     """Point FSDP2's cached process groups (under `root`, the module `fully_shard` was applied to last) at the new
-    groups of their meshes, and drop the failed step's state: unsharded parameters, pending collectives, gradients
-    (FSDP's own `reset_iter_state`). Returns how many FSDP parameter groups were rebound."""
+    groups of their meshes, and (`reset`) drop the failed step's state: unsharded parameters, pending collectives,
+    gradients (FSDP's own `reset_iter_state`; a model that never ran a step has none, and FSDP cannot reset it).
+    Returns how many FSDP parameter groups were rebound."""
     groups = []
     for module in root.modules():
         get_state = getattr(module, "_get_fsdp_state", None)
@@ -483,15 +507,17 @@ def rebind_fsdp(root: torch.nn.Module) -> int:
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
             if getattr(info, "replicate_process_group", None) is not None:
                 info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
-    reset = getattr(root, "reset_iter_state", None)
-    if reset is not None:
+    if not reset:
+        return len(groups)
+    reset_state = getattr(root, "reset_iter_state", None)
+    if reset_state is not None:
         try:
-            reset()
+            reset_state()
         except Exception as e:  # noqa: BLE001 - waiting on a collective of the aborted group failed: drop it
             log.debug("FSDP reset after a failed step: %s; dropping its pending collectives", e)
             for group in groups:
                 group._all_gather_result = None
-            reset()
+            reset_state()
     for group in groups:
         for fsdp_param in group.fsdp_params:
             # A backward cut short leaves gradients on the unsharded parameters (FSDP reuses those objects, and its

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastictrain.config import TrainConfig
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, abort_groups, init_world, tracked_sockets
+from elastictrain.runtime.inplace import (
+    InPlace,
+    InPlaceFailed,
+    abort_groups,
+    init_placeholder,
+    init_world,
+    tracked_sockets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,8 @@ class Session:
         self._tmp: Optional[tempfile.TemporaryDirectory] = None
         self.in_place = InPlace.from_env(self.info.rank, self.info.world_size)
         """Set when our agent runs the job with `elastic.in_place` (runtime/inplace.py)."""
+        self.joining: Optional[int] = None
+        """A replacement's generation while it prepares on a placeholder group, before it joins (`join`)."""
 
     @property
     def rank(self) -> int:
@@ -92,9 +101,13 @@ class Session:
                 if place is not None and place != (self.rank, self.world_size):
                     # Started with its round rank: a node that took a shrunk round's place back (a grow in place).
                     self._move(*place)
-                self.in_place.mark_ready(self.in_place.generation)
-                init_world(self.in_place.group_store(self.in_place.generation), self.rank, self.world_size,
-                           timeout, self.device, self.in_place.service_ports())
+                # The others wait for it (a replaced rank) or train on until it is ready (a grow): it builds its
+                # model and optimizer on a placeholder group first, and joins at its step loop's start (`join`).
+                init_placeholder(self.rank, self.world_size)
+                self.joining = self.in_place.generation
+                log.info("joining generation %d as rank %d of %d once the model is built (Worker.steps); until then "
+                         "the process group is a placeholder: a collective raises 'FakeProcessGroup collective "
+                         "operation error'", self.joining, self.rank, self.world_size)
             elif "MASTER_ADDR" in os.environ:
                 with (tracked_sockets(self.in_place.service_ports())
                       if self.in_place is not None and self.device.type != "cuda" else contextlib.nullcontext()):
@@ -108,6 +121,23 @@ class Session:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         log.debug("session started: rank %d/%d on %s", self.rank, self.world_size, self.device)
         return self
+
+    def join(self) -> bool:
+        """A replacement prepared on its placeholder group (`start`): tell the others it is ready, and trade the
+        placeholder for the generation's real group, which the mesh resolves to by name. False when not joining."""
+        if self.joining is None:
+            return False
+        assert self.in_place is not None and self.mesh is not None
+        generation, self.joining = self.joining, None
+        self.in_place.mark_ready(generation)
+        dist.destroy_process_group()
+        init_world(self.in_place.group_store(generation), self.rank, self.world_size,
+                   datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device,
+                   self.in_place.service_ports())
+        if self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
+            raise InPlaceFailed("the device mesh does not resolve to the joined process group (a torch version whose "
+                                "meshes keep their groups otherwise); restarting every worker instead")
+        return True
 
     def rebuild(self, generation: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
         """Replace this process's groups by generation `generation`'s (the in-place path, runtime/inplace.py); with

@@ -84,6 +84,27 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
+def prepare_for_load(model: Optional[torch.nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> int:
+    """Make the memory a load fills exist now: Adam's state allocated (zeros, as `OptimizerState` would at the load)
+    and every page of the model's CPU parameters written once (values kept: `mul_(1)`). A joining worker does this
+    before the others stop for it, so that the first touch of fresh pages (the kernel zeroes each: 0.2-1 GB/s on a
+    VM backed on first touch) is not part of their pause. Returns the bytes of parameters touched."""
+    if isinstance(optimizer, torch.optim.Adam) and not optimizer.state:
+        _allocate_adam_state(optimizer)
+    touched = 0
+    if model is None:
+        return touched
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.device.type == "cpu" and local.is_floating_point() and local.numel():
+                local.mul_(1)
+                touched += local.numel() * local.element_size()
+    return touched
+
+
 def _allocate_adam_state(optimizer: torch.optim.Adam) -> None:
     """The state Adam's first step creates (torch/optim/adam.py `_init_group`), zeros: only ever loaded into."""
     for group in optimizer.param_groups:

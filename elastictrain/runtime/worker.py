@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import signal
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -41,7 +42,7 @@ from elastictrain.runtime.heartbeat import ENV_AGENT_PID, MAX_SECTIONS, Heartbea
 from elastictrain.runtime.inplace import InPlace, InPlaceFailed, WorldShrank, is_peer_failure, rebind_fsdp
 from elastictrain.runtime.session import RankInfo, Session
 from elastictrain.runtime.steps import StepHook, StepLoop
-from elastictrain.runtime.train_state import TrainState
+from elastictrain.runtime.train_state import TrainState, prepare_for_load
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,17 @@ class Worker:
         and loads them from the in-memory snapshots, re-sharded; read them from `state` (`state.model`,
         `state.optim`, `state.extras[...]`) inside the step. Without it, a smaller world restarts every worker.
         """
-        self._session()
+        session = self._session()
+        if session.joining is not None:
+            # A replacement built its model on a placeholder group: its memory first, then the real group.
+            t0 = time.monotonic()
+            touched = prepare_for_load(state.model, state.optim)
+            session.join()
+            if state.model is not None:
+                rebind_fsdp(state.model, reset=False)
+            log.info("joined generation %d after preparing the state (%.0f MB of parameters touched in %.2f s)",
+                     session.in_place.generation if session.in_place else -1, touched / 1e6,
+                     time.monotonic() - t0)
         cfg = _checkpoint_config(checkpoint, checkpoint_options, self._train_cfg.collective_timeout_s)
         self.loop = StepLoop(self, total, state, checkpoint=cfg, fingerprint=fingerprint, metadata=metadata,
                              audit_dir=audit_dir, log_every=log_every, on_step=on_step, init=init, rebuild=rebuild)
@@ -285,7 +296,8 @@ class Worker:
         memory while the agent replaces the lost rank, rebuilds the process group, and continues from the newest
         in-memory snapshot (so use `checkpoint.snapshot_every_steps`). Other errors pass through. Without
         `elastic.in_place` it does nothing. Between `Worker` start and the loop, a script that recovers in place
-        must run no collectives of its own (a replacement joins the others at the loop's start).
+        must run no collectives of its own: a replacement joins the others at the loop's start, and until then its
+        process group is a placeholder on which a collective raises (it builds its model before anyone waits).
         """
         if self.loop is None:
             raise RuntimeError("Worker.guard is for use inside `for step in w.steps(...)`")

@@ -17,10 +17,12 @@ from elastictrain.runtime.inplace import (
     ENV_IN_PLACE,
     InPlaceSettings,
     abort_groups,
+    init_placeholder,
     init_world,
     is_peer_failure,
     rebind_fsdp,
 )
+from elastictrain.runtime.train_state import prepare_for_load
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:50087: "
               "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the app.")
@@ -99,6 +101,40 @@ def test_a_rebuilt_group_serves_the_same_mesh_and_fsdp_model_and_a_failed_step_l
     _step(reference, ref_optim, 2)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine.full_tensor(), theirs.full_tensor()), "training on the rebuilt group diverged"
+
+
+def test_a_joining_worker_builds_its_model_and_optimizer_state_before_its_group_exists_and_trains_the_same(tmp_path):
+    """A replacement (a grow's new rank) prepares on a placeholder group, so that the others need not stop for its
+    model build and first page touches: nothing reaches a peer from it (a collective raises), the state keeps its
+    values, and once it trades the placeholder for the real group its model trains exactly like one built there."""
+    init_placeholder(0, 1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _model(mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="FakeProcessGroup collective operation error"):
+            dist.all_reduce(torch.ones(1))
+        before = [p.to_local().clone() for p in model.parameters()]
+        touched = prepare_for_load(model, optim)
+        assert touched == sum(t.numel() * 4 for t in before)
+        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())), "values changed"
+        assert {id(p) for p in optim.state} == {id(p) for p in model.parameters()}, "Adam's state not allocated"
+        placeholder = dist.distributed_c10d._get_default_group()
+        dist.destroy_process_group()
+        init_world(_store(tmp_path, "g1"), 0, 1, datetime.timedelta(seconds=30), torch.device("cpu"))
+        real = dist.distributed_c10d._get_default_group()
+        assert real is not placeholder and mesh.get_group(0) is real, "the mesh finds the real group by its name"
+        assert rebind_fsdp(model, reset=False) == 2
+        reference = _model(init_device_mesh("cpu", (1,)))
+        ref_optim = torch.optim.Adam(reference.parameters(), lr=0.1)
+        for seed in (1, 2):
+            _step(model, optim, seed)
+            _step(reference, ref_optim, seed)
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine.full_tensor(), theirs.full_tensor()), "the joined model trained differently"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_grow_waits_for_a_durable_save_in_flight_but_not_longer_than_its_cap():
