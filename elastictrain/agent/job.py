@@ -216,7 +216,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                 replicator = _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
                                         request.config.local_addr or socket.getfqdn(),
                                         lambda kind, fields: publisher.on_event(kind, fields) if publisher else None,
-                                        replica_rate(elastic), tls)
+                                        replica_rate(elastic), tls, agent.workers_restoring)
             publisher.snapshot_probe = lambda: (snapshots.newest_step(snapshot_dir),
                                                 *(replicator.replicated() if replicator else (None, None)))
             if request.metrics_port:
@@ -281,11 +281,12 @@ def _straggler_replacer(elastic: ElasticConfig, client: EtcdClient, run_prefix: 
 
 def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,
                host: str, emit: Callable[[str, dict[str, Any]], None], rate: Optional[int],
-               tls: Optional[ReplicaTLS]) -> Optional[Replicator]:
+               tls: Optional[ReplicaTLS], restoring: Callable[[], bool]) -> Optional[Replicator]:
     """Peer replicas of this node's snapshots, served on `host` (where torch's rendezvous says this node is reached:
     --local-addr, else its host name); a server that cannot start leaves snapshots local-only, never the job down."""
     try:
-        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate, tls=tls)
+        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate, tls=tls,
+                                restoring=restoring)
     except OSError as e:
         log.warning("in-memory snapshots stay local-only: no replica server on %s (%s); set --local-addr to an "
                     "address of this node that the other nodes reach", host, e)
