@@ -7,11 +7,12 @@ next and receives from the one before. One thread polls the snapshot folder ever
 newest committed slot once (in chunks, one transfer at a time: the workers lose nothing but the copy's share of
 CPU and memory bandwidth). It gives way to restores: while this node's server copies a slot to a restoring worker,
 and while a local worker is paused in place or loads its state (a re-form moves its snapshot over the process
-group: the replica, as large as the whole slot, would take the same link and cores), no replica is sent, and a send
-in flight stops and goes again later. A snapshot counts as replicated when the peer has confirmed its checksum. A
-peer that cannot be reached costs nothing but the replica: training goes on with local-only snapshots, retried
-with backoff, reported once per streak (`checkpoint_snapshot_replica_failed`); the first replica on each new peer is
-reported too (`checkpoint_snapshot_replicated`), every later one only at debug level.
+group: the replica, as large as the whole slot, would take the same link and cores), no replica is sent (for at
+most `RESTORE_HOLD_MAX_S`), and a send in flight stops and goes again later. A snapshot counts as replicated when
+the peer has confirmed its checksum. A peer that cannot be reached costs nothing but the replica: training goes on
+with local-only snapshots, retried with backoff, reported once per streak (`checkpoint_snapshot_replica_failed`);
+the first replica on each new peer is reported too (`checkpoint_snapshot_replicated`), every later one only at debug
+level.
 
 The same thread keeps `peers.json` in the folder current (every live agent's server, for a restarting worker that
 lacks its rank's snapshot: checkpoint/replica_fetch.py).
@@ -50,6 +51,10 @@ re-read meanwhile."""
 RETRY_MAX_S = 5.0
 """The longest wait before trying an unreachable peer again (doubling from four polls)."""
 
+RESTORE_HOLD_MAX_S = 60.0
+"""The longest the replicas wait for local workers that stay paused or loading: a re-form takes seconds, but an
+operator's pause (phase `paused` too) lasts as long as it lasts, and the newest snapshot must reach the peer."""
+
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _MTIME_SETTLED_NS = 50_000_000
 """A folder's mtime is trusted as "nothing new" only once it is this old: file systems stamp it from a coarse clock
@@ -84,6 +89,7 @@ class Replicator:
         self._failing: Optional[str] = None
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._restoring_since: Optional[float] = None
         self._stop = threading.Event()
         self.refresh_members()
         self._thread = threading.Thread(target=self._loop, name="snapshot-replicator", daemon=True)
@@ -144,10 +150,17 @@ class Replicator:
         if self.server.serving > 0:
             return True
         try:
-            return self.restoring()
+            restoring = self.restoring()
         except Exception as e:  # noqa: BLE001 - the agent's view unreadable: replicate as before
             log.debug("could not tell whether a local worker restores: %s", e)
+            restoring = False
+        now = time.monotonic()
+        if not restoring:
+            self._restoring_since = None
             return False
+        if self._restoring_since is None:
+            self._restoring_since = now
+        return now - self._restoring_since < RESTORE_HOLD_MAX_S
 
     def _ranks(self) -> Iterator[tuple[int, Path]]:
         try:
