@@ -349,6 +349,11 @@ class ElasticAgent(LocalElasticAgent):
         except AgentError:  # not our rendezvous: no shrinks either
             os.environ.pop(ENV_ROUND, None)
 
+    def workers_restoring(self) -> bool:
+        """A local worker is paused in place or loading its state (a restore, a re-form in place): the node's
+        snapshot replica waits meanwhile (agent/replication.py), the restore has the cores and the link."""
+        return any(w.phase in ("paused", "load") for w in list(self._health.workers.values()))
+
     def _workers_paused(self) -> bool:
         """Every local worker pauses in place (its collectives failed): the evidence that a lost peer died."""
         workers = list(self._health.workers.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -34,7 +35,7 @@ from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPo
 from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
 from elastictrain.agent.replication import Replicator
-from elastictrain.agent.scratch import sweep_orphan_scratch
+from elastictrain.agent.scratch import make_scratch_dir, sweep_orphan_scratch
 from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
 from elastictrain.agent.status import (
     EtcdStatusPublisher,
@@ -114,6 +115,17 @@ def _embedded_etcd(nnodes: str, stack: ExitStack) -> str:
     return etcd.endpoint
 
 
+def _private_log_dir(args: argparse.Namespace, stack: ExitStack) -> None:
+    """torch's agent keeps each worker's error file (how a worker's exception reaches the agent) under a log folder;
+    given none, it makes a `torchelastic_*` folder in the temp directory and leaves it there after every run. With no
+    `--log-dir` and no worker output redirected into it (`--redirects`, `--tee`), that folder is one of the agent's
+    scratch folders instead: removed when the agent ends, and by the next agent's sweep when it was SIGKILLed."""
+    if args.log_dir or str(args.redirects) != "0" or str(args.tee) != "0":
+        return  # the user's folder, or their workers' output: kept
+    args.log_dir = make_scratch_dir("logs")
+    stack.callback(shutil.rmtree, args.log_dir, ignore_errors=True)
+
+
 def _checkpoint_url(url: Optional[str]) -> Optional[str]:
     """An absolute URL: a relative path means the agent's working directory, which operators' CLIs do not share."""
     if not url or "://" in url:
@@ -138,6 +150,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     for d in sweep_orphan_scratch():
         log.info("removed the scratch folder of a gone agent: %s", d)
     with ExitStack() as stack:
+        _private_log_dir(args, stack)
         if not args.rdzv_endpoint:
             args.rdzv_endpoint = _embedded_etcd(args.nnodes, stack)
         request = request_from_args(args, elastic)
@@ -203,7 +216,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
                 replicator = _replicate(stack, snapshot_dir, client, settings.run_prefix, liveness,
                                         request.config.local_addr or socket.getfqdn(),
                                         lambda kind, fields: publisher.on_event(kind, fields) if publisher else None,
-                                        replica_rate(elastic), tls)
+                                        replica_rate(elastic), tls, agent.workers_restoring)
             publisher.snapshot_probe = lambda: (snapshots.newest_step(snapshot_dir),
                                                 *(replicator.replicated() if replicator else (None, None)))
             if request.metrics_port:
@@ -268,11 +281,12 @@ def _straggler_replacer(elastic: ElasticConfig, client: EtcdClient, run_prefix: 
 
 def _replicate(stack: ExitStack, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness,
                host: str, emit: Callable[[str, dict[str, Any]], None], rate: Optional[int],
-               tls: Optional[ReplicaTLS]) -> Optional[Replicator]:
+               tls: Optional[ReplicaTLS], restoring: Callable[[], bool]) -> Optional[Replicator]:
     """Peer replicas of this node's snapshots, served on `host` (where torch's rendezvous says this node is reached:
     --local-addr, else its host name); a server that cannot start leaves snapshots local-only, never the job down."""
     try:
-        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate, tls=tls)
+        replicator = Replicator(folder, client, run_prefix, liveness, host, emit, rate=rate, tls=tls,
+                                restoring=restoring)
     except OSError as e:
         log.warning("in-memory snapshots stay local-only: no replica server on %s (%s); set --local-addr to an "
                     "address of this node that the other nodes reach", host, e)

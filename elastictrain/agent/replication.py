@@ -5,10 +5,14 @@ The ring: the live agents of the job that run a replica server (their etcd node 
 their leases, so a lost agent leaves the ring when its lease expires), sorted by node id; each node sends to the
 next and receives from the one before. One thread polls the snapshot folder every `POLL_S` and sends each rank's
 newest committed slot once (in chunks, one transfer at a time: the workers lose nothing but the copy's share of
-CPU and memory bandwidth). A snapshot counts as replicated when the peer has confirmed its checksum. A peer that
-cannot be reached costs nothing but the replica: training goes on with local-only snapshots, retried with backoff,
-reported once per streak (`checkpoint_snapshot_replica_failed`); the first replica on each new peer is reported
-too (`checkpoint_snapshot_replicated`), every later one only at debug level.
+CPU and memory bandwidth). It gives way to restores: while this node's server copies a slot to a restoring worker,
+and while a local worker is paused in place or loads its state (a re-form moves its snapshot over the process
+group: the replica, as large as the whole slot, would take the same link and cores), no replica is sent (for at
+most `RESTORE_HOLD_MAX_S`), and a send in flight stops and goes again later. A snapshot counts as replicated when
+the peer has confirmed its checksum. A peer that cannot be reached costs nothing but the replica: training goes on
+with local-only snapshots, retried with backoff, reported once per streak (`checkpoint_snapshot_replica_failed`);
+the first replica on each new peer is reported too (`checkpoint_snapshot_replicated`), every later one only at debug
+level.
 
 The same thread keeps `peers.json` in the folder current (every live agent's server, for a restarting worker that
 lacks its rank's snapshot: checkpoint/replica_fetch.py).
@@ -47,6 +51,10 @@ re-read meanwhile."""
 RETRY_MAX_S = 5.0
 """The longest wait before trying an unreachable peer again (doubling from four polls)."""
 
+RESTORE_HOLD_MAX_S = 60.0
+"""The longest the replicas wait for local workers that stay paused or loading: a re-form takes seconds, but an
+operator's pause (phase `paused` too) lasts as long as it lasts, and the newest snapshot must reach the peer."""
+
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _MTIME_SETTLED_NS = 50_000_000
 """A folder's mtime is trusted as "nothing new" only once it is this old: file systems stamp it from a coarse clock
@@ -59,10 +67,11 @@ class Replicator:
 
     def __init__(self, folder: Path, client: EtcdClient, run_prefix: str, liveness: NodeLiveness, host: str,
                  emit: Callable[[str, dict[str, Any]], None], poll_s: float = POLL_S, rate: Optional[int] = None,
-                 tls: Optional[ReplicaTLS] = None):
+                 tls: Optional[ReplicaTLS] = None, restoring: Callable[[], bool] = lambda: False):
         """`rate`: bytes per second the replicas may take (elastic.replica_bandwidth; None: as fast as they go);
-        `tls`: serve and connect over mutual TLS (elastic.replica_tls)."""
-        self.rate, self.tls = rate, tls
+        `tls`: serve and connect over mutual TLS (elastic.replica_tls); `restoring`: whether a local worker is paused
+        or restores (the agent's heartbeat view): the replicas wait meanwhile."""
+        self.rate, self.tls, self.restoring = rate, tls, restoring
         self.folder, self.client, self.node, self.poll_s = folder, client, liveness.node_id, poll_s
         self._nodes_prefix = f"{run_prefix.rstrip('/')}/nodes/"
         self._emit = emit
@@ -80,6 +89,7 @@ class Replicator:
         self._failing: Optional[str] = None
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._restoring_since: Optional[float] = None
         self._stop = threading.Event()
         self.refresh_members()
         self._thread = threading.Thread(target=self._loop, name="snapshot-replicator", daemon=True)
@@ -117,8 +127,8 @@ class Replicator:
     def replicate(self) -> None:
         """Send each local rank's newest committed snapshot that the ring peer has not confirmed yet."""
         peer = self.peer
-        if peer is None or time.monotonic() < self._retry_at or self.server.serving:
-            return  # a worker restoring from this node copies a slot: the replica waits, the restore is the hurry
+        if peer is None or time.monotonic() < self._retry_at or self._give_way():
+            return
         for rank, rank_dir in self._ranks():
             try:
                 seen = (peer.node, rank_dir.stat().st_mtime_ns)
@@ -134,6 +144,24 @@ class Replicator:
             if time.time_ns() - seen[1] > _MTIME_SETTLED_NS:
                 self._seen[rank] = seen
 
+    def _give_way(self) -> bool:
+        """A restore is under way on this node (a worker copying a slot from this node's server, or a local worker
+        paused or loading): the replica waits, the restore is the hurry."""
+        if self.server.serving > 0:
+            return True
+        try:
+            restoring = self.restoring()
+        except Exception as e:  # noqa: BLE001 - the agent's view unreadable: replicate as before
+            log.debug("could not tell whether a local worker restores: %s", e)
+            restoring = False
+        now = time.monotonic()
+        if not restoring:
+            self._restoring_since = None
+            return False
+        if self._restoring_since is None:
+            self._restoring_since = now
+        return now - self._restoring_since < RESTORE_HOLD_MAX_S
+
     def _ranks(self) -> Iterator[tuple[int, Path]]:
         try:
             dirs = sorted(self.folder.iterdir())
@@ -148,12 +176,12 @@ class Replicator:
         step, started = reader.marker["step"], time.monotonic()
         try:
             confirmed = push(peer, self.node, rank, reader, SEND_TIMEOUT_S, self.rate,
-                             give_way=lambda: self.server.serving > 0 or self._stop.is_set())
+                             give_way=lambda: self._give_way() or self._stop.is_set())
         except SnapshotReplicaError as e:
             self._failed(peer, rank, step, e)
             return False
         if confirmed is None:
-            log.debug("rank %d's snapshot of step %d was rewritten while being sent, or gave way to a restore's copy; "
+            log.debug("rank %d's snapshot of step %d was rewritten while being sent, or gave way to a restore; "
                       "sending it again later", rank, step)
             return True
         self._sent[rank] = (peer.node, step, confirmed)

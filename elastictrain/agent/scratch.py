@@ -1,7 +1,7 @@
 """The agent's scratch folders in the temp directory (its workers' heartbeat socket, control file, warm spares'
-files): named by the agent's pid, so that an agent started later on the node removes those of agents that are gone.
-An agent removes its own at exit; one that was SIGKILLed (a node kill, an OOM kill) could not, and without the sweep
-each such loss left three folders behind for good."""
+files, torch's per-worker error files, an embedded etcd's data): named by the agent's pid, so that an agent started
+later on the node removes those of agents that are gone. An agent removes its own at exit; one that was SIGKILLed (a
+node kill, an OOM kill) could not, and without the sweep each such loss left its folders behind for good."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional
 
 from elastictrain.runtime.heartbeat import pid_alive
 
-KINDS = ("ctl", "hb", "warm")
+KINDS = ("ctl", "hb", "warm", "logs", "etcd")
 _NAME = re.compile(rf"^elastictrain-(?:{'|'.join(KINDS)})-(?P<pid>\d+)-")
 
 

@@ -92,7 +92,8 @@ class EmbeddedEtcd:
         # Ports we picked may be taken by another process before etcd binds them: then we pick again.
         self._auto_ports = port is None and peer_port is None and initial_cluster is None
         self._own_data_dir = data_dir is None
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastictrain-etcd-")
+        # Named by our pid: when this process is SIGKILLed, an agent started later removes it (agent/scratch.py).
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix=f"elastictrain-etcd-{os.getpid()}-")
         self._extra_args = list(extra_args or [])
         self._startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None

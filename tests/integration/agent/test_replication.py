@@ -10,6 +10,7 @@ from typing import Callable
 
 import pytest
 
+from elastictrain.agent import replication
 from elastictrain.agent.replication import Replicator
 from elastictrain.checkpoint.replica_fetch import fetch_offer, find_offers
 from elastictrain.checkpoint.replica_wire import REPLICAS_DIR, PeerList, committed_markers
@@ -26,6 +27,8 @@ class _Node:
     """One agent's share of replication: its etcd lease-bound record, its snapshot folder, its Replicator."""
 
     def __init__(self, name: str, tmp: Path, endpoint: str, run_id: str):
+        self.restoring = False
+        """What the agent's heartbeat view says: a local worker is paused in place or loading its state."""
         settings = EtcdSettings.from_conf(endpoint, run_id, {})
         self.client = EtcdClient(settings)
         self.client.connect()
@@ -35,7 +38,8 @@ class _Node:
         self.liveness.start()
         self.events: list[tuple[str, dict]] = []
         self.replicator = Replicator(self.folder, self.client, settings.run_prefix, self.liveness, "127.0.0.1",
-                                     lambda kind, fields: self.events.append((kind, fields)), poll_s=0.02)
+                                     lambda kind, fields: self.events.append((kind, fields)), poll_s=0.02,
+                                     restoring=lambda: self.restoring)
 
     def kinds(self, kind: str) -> list[dict]:
         return [f for k, f in self.events if k == kind]
@@ -116,6 +120,31 @@ def test_a_peer_that_is_down_leaves_the_snapshots_local_only_with_one_warning_ev
     b.liveness.stop()  # b's lease goes: a is alone in the ring
     _wait("a sees it is alone", lambda: a.replicator.peer is None)
     assert len(a.kinds("checkpoint_snapshot_replica_failed")) == 1
+
+
+def test_no_replica_goes_out_while_a_local_worker_restores_but_not_for_longer_than_the_hold(make_node, monkeypatch):
+    """A re-form in place moves the snapshot over the process group while the workers are paused and load: the
+    replica (the whole slot, on the same link and cores) waits for them, then the newest snapshot goes at once. A
+    pause that lasts (an operator's) holds the replicas no longer than `RESTORE_HOLD_MAX_S`."""
+    monkeypatch.setattr(replication, "RESTORE_HOLD_MAX_S", 2.0)
+    a, b = make_node("a"), make_node("b")
+    _ring(a, b)
+    store = SnapshotStore(a.folder, 0, JOB)
+    store.save(1, {"x": 1})
+    _wait("step 1 replicated", lambda: b.replicas("a", 0) == [1])
+    a.restoring = True
+    store.save(2, {"x": 2})
+    time.sleep(1.0)  # 50 polls
+    assert b.replicas("a", 0) == [1], "a replica went out while a local worker was restoring"
+    a.restoring = False
+    _wait("step 2 replicated once the workers train", lambda: b.replicas("a", 0)[:1] == [2], timeout=5)
+    assert not a.kinds("checkpoint_snapshot_replica_failed"), "waiting for a restore is no failure"
+    a.restoring = True
+    store.save(3, {"x": 3})
+    time.sleep(1.0)
+    assert b.replicas("a", 0)[:1] == [2], "a replica went out while a local worker was restoring"
+    _wait("step 3 replicated after the hold, the workers still paused", lambda: b.replicas("a", 0)[:1] == [3],
+          timeout=5)
 
 
 def test_the_ring_closes_over_a_lost_node(make_node):

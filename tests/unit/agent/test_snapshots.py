@@ -36,8 +36,9 @@ def test_an_agent_exports_its_folder_and_removes_it(tmp_path, monkeypatch):
 
 
 def test_the_scratch_folders_of_dead_agents_are_swept_and_live_ones_kept(tmp_path, monkeypatch):
-    """The heartbeat socket's, control file's and warm spares' folders of a SIGKILLed agent (a node kill) are
-    removed by the next agent's start; a live agent's, and anything not named like ours, stay."""
+    """The heartbeat socket's, control file's, warm spares', error files' and embedded etcd's folders of a SIGKILLed
+    agent (a node kill) are removed by the next agent's start; a live agent's, and anything not named like ours,
+    stay."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mine = [scratch.make_scratch_dir(kind) for kind in scratch.KINDS]
     assert all(os.path.basename(d).startswith(f"elastictrain-{k}-{os.getpid()}-") for d, k in zip(mine, scratch.KINDS))
