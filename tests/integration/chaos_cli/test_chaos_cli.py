@@ -108,8 +108,16 @@ def test_scripted_schedule_kills_rejoins_and_rejects_the_corrupted_checkpoint(jo
         logs = job.logs() + "".join(open(p, errors="replace").read() for p in {n.log_path for n in job.nodes})
         loads = re.findall(r"resumed from \S+/(step-\d+) \(step", logs)
         assert bad_dir not in loads, f"the corrupted checkpoint {bad_dir} was loaded: {loads}"
-        assert re.search(rf"skipping checkpoint \S+/{bad_dir}: .*sha256 mismatch", logs), \
-            f"the load after the corruption must reject {bad_dir} by checksum\n{out}"
+        rejected = re.search(rf"skipping checkpoint \S+/{bad_dir}: .*sha256 mismatch", logs)
+        newer = [int(s) for s in re.findall(r"resumed from \S+/step-\d+ \(step (\d+)", logs) if int(s) > bad_step]
+        # The corruption takes the newest committed checkpoint when it fires; the save of that very step (async) can
+        # commit right after it, before the killed worker's restart loads (seen in CI: step 80 corrupted, step 90
+        # committed the same second, the restart resumed from 90): then the corrupted one is never a candidate.
+        assert rejected or newer, f"the load after the corruption must reject {bad_dir} by checksum\n{out}"
+        verify = subprocess.run([sys.executable, "-m", "elastictrain.cli.main", "ckpt", "verify", job.ckpt_url,
+                                 "--step", str(bad_step)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert verify.returncode == 1 and "sha256" in (verify.stdout + verify.stderr).lower(), \
+            f"ckpt verify must report the corrupted {bad_dir} by checksum:\n{verify.stdout}{verify.stderr}"
 
         full = [int(m) for m in re.findall(r"checkpoint step (\d+) to \S+ failed .*no space left on device", logs)]
         assert full, f"a save during storage-full must fail with ENOSPC\n{out}"
