@@ -131,12 +131,7 @@ class Session:
         generation, self.joining = self.joining, None
         self.in_place.mark_ready(generation)
         dist.destroy_process_group()
-        init_world(self.in_place.group_store(generation), self.rank, self.world_size,
-                   datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device,
-                   self.in_place.service_ports())
-        if self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
-            raise InPlaceFailed("the device mesh does not resolve to the joined process group (a torch version whose "
-                                "meshes keep their groups otherwise); restarting every worker instead")
+        self._init_generation(generation, keep_mesh=True)
         return True
 
     def rebuild(self, generation: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
@@ -149,16 +144,22 @@ class Session:
         if resized:
             assert rank is not None and world_size is not None
             self._move(rank, world_size)
-        timeout = datetime.timedelta(seconds=self.cfg.collective_timeout_s)
-        init_world(self.in_place.group_store(generation), self.rank, self.world_size, timeout, self.device,
-                   self.in_place.service_ports())
+        self._init_generation(generation, keep_mesh=not resized)
         if resized:
             self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        elif self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
-            raise InPlaceFailed("the device mesh does not resolve to the rebuilt process group (a torch version whose "
-                                "meshes keep their groups otherwise); restarting every worker instead")
         self.in_place.generation = generation
         return resized
+
+    def _init_generation(self, generation: int, keep_mesh: bool) -> None:
+        """This process's default group becomes generation `generation`'s; `keep_mesh`: the device mesh stays, so it
+        must resolve to the new group (it finds its groups by name, and `init_world` reuses the first group's)."""
+        assert self.in_place is not None and self.mesh is not None
+        init_world(self.in_place.group_store(generation), self.rank, self.world_size,
+                   datetime.timedelta(seconds=self.cfg.collective_timeout_s), self.device,
+                   self.in_place.service_ports())
+        if keep_mesh and self.mesh.get_group(0) is not dist.distributed_c10d._get_default_group():
+            raise InPlaceFailed("the device mesh does not resolve to the new process group (a torch version whose "
+                                "meshes keep their groups otherwise); restarting every worker instead")
 
     def _move(self, rank: int, world_size: int) -> None:
         """This process is rank `rank` of `world_size` from now on (a world that shrank or grew in place)."""
