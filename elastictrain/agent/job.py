@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -35,7 +34,7 @@ from elastictrain.agent.budget import FatalWorkerError, RestartBudget, RestartPo
 from elastictrain.agent.control import ControlRelay
 from elastictrain.agent.launch import LaunchRequest, get_args_parser, launch, request_from_args, warm_pool
 from elastictrain.agent.replication import Replicator
-from elastictrain.agent.scratch import make_scratch_dir, sweep_orphan_scratch
+from elastictrain.agent.scratch import sweep_orphan_scratch
 from elastictrain.agent.spares import RECIPE_MODULE, RunArgs, WarmPool
 from elastictrain.agent.status import (
     EtcdStatusPublisher,
@@ -115,17 +114,6 @@ def _embedded_etcd(nnodes: str, stack: ExitStack) -> str:
     return etcd.endpoint
 
 
-def _private_log_dir(args: argparse.Namespace, stack: ExitStack) -> None:
-    """torch's agent keeps each worker's error file (how a worker's exception reaches the agent) under a log folder;
-    given none, it makes a `torchelastic_*` folder in the temp directory and leaves it there after every run. With no
-    `--log-dir` and no worker output redirected into it (`--redirects`, `--tee`), that folder is one of the agent's
-    scratch folders instead: removed when the agent ends, and by the next agent's sweep when it was SIGKILLed."""
-    if args.log_dir or str(args.redirects) != "0" or str(args.tee) != "0":
-        return  # the user's folder, or their workers' output: kept
-    args.log_dir = make_scratch_dir("logs")
-    stack.callback(shutil.rmtree, args.log_dir, ignore_errors=True)
-
-
 def _checkpoint_url(url: Optional[str]) -> Optional[str]:
     """An absolute URL: a relative path means the agent's working directory, which operators' CLIs do not share."""
     if not url or "://" in url:
@@ -150,7 +138,6 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
     for d in sweep_orphan_scratch():
         log.info("removed the scratch folder of a gone agent: %s", d)
     with ExitStack() as stack:
-        _private_log_dir(args, stack)
         if not args.rdzv_endpoint:
             args.rdzv_endpoint = _embedded_etcd(args.nnodes, stack)
         request = request_from_args(args, elastic)

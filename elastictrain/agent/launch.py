@@ -31,6 +31,7 @@ from torch.distributed.run import get_args_parser as torchrun_args_parser
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
+from elastictrain.agent.scratch import ScratchLogsSpecs, sweep_orphan_scratch
 from elastictrain.agent.spares import RECIPE_MODULE, SCRIPT_PREWARM, WarmPool
 from elastictrain.config import ElasticConfig, HangConfig, Timeouts
 from elastictrain.rendezvous.entry_point import ensure_registered
@@ -160,7 +161,18 @@ def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = 
         args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
-    config, entrypoint, cmd_args = config_from_args(args)
+    # Given no log folder, torch's logs specs make a torchelastic_* folder as they are built and never remove it:
+    # when nothing of the user's goes there (no redirects, no tee), ours holds the error files in a scratch folder.
+    scratch_logs = not args.log_dir and not args.logs_specs and str(args.redirects) == "0" and str(args.tee) == "0"
+    if scratch_logs:
+        args.log_dir = os.devnull
+    try:
+        config, entrypoint, cmd_args = config_from_args(args)
+    finally:
+        if scratch_logs:
+            args.log_dir = None
+    if scratch_logs:
+        config.logs_specs = ScratchLogsSpecs()
     if elastic is not None:
         given = dict(config.rdzv_configs)
         config.rdzv_configs = {**rdzv_configs(elastic), **given}
@@ -272,11 +284,14 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        if isinstance(config.logs_specs, ScratchLogsSpecs):
+            config.logs_specs.close()
 
 
 def run(argv: Sequence[str]) -> dict[int, Any]:
     """Parse a torchrun-style command line and launch; see ``launch``."""
     request = parse_args(argv)
+    sweep_orphan_scratch()  # the folders of an agent that was SIGKILLed on this node
     listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
     return launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
                   warm_spares=request.warm_spares, warm_pool=warm_pool(request))

@@ -38,3 +38,29 @@ def test_heartbeat_flags_map_to_health_config():
 
 def test_heartbeat_timeout_zero_turns_hang_detection_off():
     assert not parse_args(["--standalone", "--heartbeat-timeout", "0", "train.py"]).health.enabled
+
+
+def test_no_log_folder_is_left_in_the_temp_directory(tmp_path, monkeypatch):
+    """torch's logs specs make a torchelastic_* folder when a command line is parsed and leave it for good; ours make
+    the error files' folder at the first use, in the agent's scratch folder, and remove it at close."""
+    import os
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastictrain.agent.scratch import ScratchLogsSpecs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    specs = parse_args(["--standalone", "train.py"]).config.logs_specs
+    assert isinstance(specs, ScratchLogsSpecs) and list(tmp_path.iterdir()) == []
+    dest = specs.reify({0: {"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "0"}})
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith(f"elastictrain-logs-{os.getpid()}-") and dest.error_files[0].startswith(str(folder))
+    specs.reify({0: {"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "1"}})  # a restart: the same folder
+    assert list(tmp_path.iterdir()) == [folder]
+    specs.close()
+    assert list(tmp_path.iterdir()) == []
+    # The user's folder, or their workers' output redirected into torch's: torch's specs, kept as torch keeps them.
+    kept = parse_args(["--standalone", "--log-dir", str(tmp_path / "mine"), "train.py"]).config.logs_specs
+    assert type(kept) is DefaultLogsSpecs and kept.root_log_dir == str(tmp_path / "mine")
+    assert type(parse_args(["--standalone", "--redirects", "3", "train.py"]).config.logs_specs) is DefaultLogsSpecs
