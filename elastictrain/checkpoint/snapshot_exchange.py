@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from elastictrain.runtime.determinism import unfilled
+
 log = logging.getLogger(__name__)
 
 MERGE_GAP = 1 << 16
@@ -143,7 +145,8 @@ def exchange(reshard: Restore, need: set[int], nodes: list[str], rank: int,
         server = served_by.get((rank, ask.old_rank))
         if server is None:
             continue
-        buf = torch.empty(reshard.candidate.holders[ask.old_rank][0].info.nbytes, dtype=torch.uint8)  # not touched
+        with unfilled():  # only the received ranges are ever read, and no page is touched before a message lands
+            buf = torch.empty(reshard.candidate.holders[ask.old_rank][0].info.nbytes, dtype=torch.uint8)
         into = direct.get(ask.old_rank, [])
         buffered = len(ask.ranges) - len(into)
         reshard.wrote_state |= bool(into)

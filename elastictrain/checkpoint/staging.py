@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from elastictrain.runtime.determinism import unfilled
+
 log = logging.getLogger(__name__)
 
 
@@ -107,7 +109,8 @@ class ReusedCpuStager(AsyncStager):
             return
         self._join()
         tensors: list[torch.Tensor] = []
-        self._cache, self._sig = _empty_like(state_dict, tensors), sig
+        with unfilled():  # the pages are touched off this thread, below (else torch would fill them here)
+            self._cache, self._sig = _empty_like(state_dict, tensors), sig
         self._warming = threading.Thread(target=_fault_in, args=(tensors, self._share_memory),
                                          name="elastictrain-staging-warmup", daemon=True)
         self._warming.start()
@@ -124,7 +127,8 @@ class ReusedCpuStager(AsyncStager):
             # This save pays for the allocation (its copy faults the pages in).
             log.info("staging buffers allocated by the save itself (%s)",
                      "none prepared" if self._cache is None else "the state changed shape since")
-            self._cache, self._sig = _empty_like(state_dict, []), sig
+            with unfilled():  # the copy writes every byte
+                self._cache, self._sig = _empty_like(state_dict, []), sig
         # Non-tensor leaves (ints, strings, bytes) are taken by reference: they are immutable.
         return _copy_state_dict(state_dict, self._cache, type_check=False)
 

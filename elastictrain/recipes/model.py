@@ -16,7 +16,7 @@ from elastictrain.config import ModelConfig, OptimConfig, TrainConfig
 from elastictrain.errors import ConfigError
 from elastictrain.recipes.adapters import apply_adapters, base_name, init_adapters, is_adapter
 from elastictrain.recipes.pretrained import load_pretrained
-from elastictrain.runtime.determinism import derive_seed
+from elastictrain.runtime.determinism import derive_seed, unfilled
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def build_sharded(cfg: ModelConfig, mesh: DeviceMesh, train: TrainConfig, device
         model = apply_adapters(_from_config(cfg, build_config(cfg)), cfg)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = shard_model(model, mesh, train, device)
-    model.to_empty(device=device)  # the shards' memory; buffers are emptied too, so put them back
+    with unfilled():  # every parameter is loaded or initialised next: torch's deterministic fill would be a wasted pass
+        model.to_empty(device=device)  # the shards' memory; buffers are emptied too, so put them back
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
