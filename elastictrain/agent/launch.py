@@ -31,7 +31,8 @@ from torch.distributed.run import get_args_parser as torchrun_args_parser
 from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
-from elastictrain.agent.scratch import ScratchLogsSpecs, sweep_orphan_scratch
+from elastictrain.agent.logs_specs import ScratchLogsSpecs
+from elastictrain.agent.scratch import sweep_orphan_scratch
 from elastictrain.agent.spares import RECIPE_MODULE, SCRIPT_PREWARM, WarmPool
 from elastictrain.config import ElasticConfig, HangConfig, Timeouts
 from elastictrain.rendezvous.entry_point import ensure_registered

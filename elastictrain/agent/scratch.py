@@ -12,8 +12,6 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
-
 from elastictrain.runtime.heartbeat import pid_alive
 
 KINDS = ("ctl", "hb", "warm", "logs", "etcd")
@@ -24,28 +22,6 @@ def make_scratch_dir(kind: str) -> str:
     """A private (0700) folder for this agent's `kind` of scratch files; the caller removes it when done."""
     assert kind in KINDS, kind
     return tempfile.mkdtemp(prefix=f"elastictrain-{kind}-{os.getpid()}-")
-
-
-class ScratchLogsSpecs(DefaultLogsSpecs):
-    """torch's log folder when the user named none and redirected nothing into it: it holds only the workers' error
-    files (how a worker's exception reaches the agent). torch's `DefaultLogsSpecs` makes a `torchelastic_*` folder
-    in the temp directory as it is constructed (also when a command line is only parsed) and never removes it; this
-    one makes a "logs" scratch folder at its first use, which `close()` removes (the agent, at exit) and the next
-    agent's sweep removes after a SIGKILL."""
-
-    def __init__(self) -> None:
-        super().__init__(log_dir=os.devnull)  # devnull: torch makes nothing now; the folder comes at the first reify
-        self._scratch: Optional[str] = None
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        if self._scratch is None:
-            self._scratch = self._root_log_dir = make_scratch_dir("logs")
-        return super().reify(envs)
-
-    def close(self) -> None:
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch, self._root_log_dir, self._run_log_dir = None, os.devnull, None
 
 
 def sweep_orphan_scratch(base: Optional[str] = None) -> list[Path]:

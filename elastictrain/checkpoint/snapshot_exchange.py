@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from elastictrain.runtime.determinism import unfilled
+from elastictrain.checkpoint.buffers import unfilled
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elastictrain.runtime.determinism import unfilled
+from elastictrain.checkpoint.buffers import unfilled
 
 log = logging.getLogger(__name__)
 

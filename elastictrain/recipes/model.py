@@ -12,11 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from elastictrain.checkpoint.buffers import unfilled
 from elastictrain.config import ModelConfig, OptimConfig, TrainConfig
 from elastictrain.errors import ConfigError
 from elastictrain.recipes.adapters import apply_adapters, base_name, init_adapters, is_adapter
 from elastictrain.recipes.pretrained import load_pretrained
-from elastictrain.runtime.determinism import derive_seed, unfilled
+from elastictrain.runtime.determinism import derive_seed
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ def test_no_log_folder_is_left_in_the_temp_directory(tmp_path, monkeypatch):
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    from elastictrain.agent.scratch import ScratchLogsSpecs
+    from elastictrain.agent.logs_specs import ScratchLogsSpecs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     specs = parse_args(["--standalone", "train.py"]).config.logs_specs

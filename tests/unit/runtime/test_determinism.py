@@ -72,7 +72,7 @@ def test_unfilled_buffers_touch_no_memory_under_deterministic_algorithms():
     import pytest
     import torch.utils.deterministic as det
 
-    from elastictrain.runtime.determinism import unfilled
+    from elastictrain.checkpoint.buffers import unfilled
 
     size = 256 << 20
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
