@@ -63,32 +63,3 @@ def test_strict_determinism_makes_torch_raise_where_warn_only_would_warn_and_a_b
     with pytest.raises(ConfigError, match="train.deterministic"):
         load_config(None, ["train.deterministic=maybe"])
 
-
-def test_unfilled_buffers_touch_no_memory_under_deterministic_algorithms():
-    """With deterministic algorithms on, torch writes every new tensor (a pass over fresh memory: 5 s for a 150M
-    model's 1.8 GB receive buffer on this VM). A buffer made `unfilled()` costs no memory until it is written; the
-    setting comes back afterwards, also when the block raises."""
-    import psutil
-    import pytest
-    import torch.utils.deterministic as det
-
-    from elastictrain.checkpoint.buffers import unfilled
-
-    size = 256 << 20
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    rss = psutil.Process().memory_info
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        start = rss().rss
-        with unfilled():
-            quiet = torch.empty(size, dtype=torch.uint8)
-        assert rss().rss - start < size // 4, "the buffer was written"
-        filled = torch.empty(size, dtype=torch.uint8)  # torch's fill, as before
-        assert rss().rss - start > size * 3 // 4
-        assert det.fill_uninitialized_memory
-        with pytest.raises(RuntimeError), unfilled():
-            raise RuntimeError("inside")
-        assert det.fill_uninitialized_memory
-        del quiet, filled
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
