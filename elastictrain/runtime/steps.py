@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 MAX_METRICS = 8
 """Names `Worker.report` may use per step: the step's one all_reduce has a fixed size."""
-_FLAGS = 5  # stop, checkpoint now, pause, the hash of the reported names, ready to re-form with a joining node
+_FLAGS = 6
+"""stop, checkpoint now, pause, the hash of the reported names, ready to re-form with a joining node, a durable save
+owed from the boundary before (a grow's)."""
 PROGRESS_EVERY_S = 5.0
 """Rank 0 reports a `progress` event (step, step time, reported values) this often, and at the last step."""
 _PAUSE_POLL_S = 0.5
@@ -287,7 +289,7 @@ class StepLoop(InPlaceLoop):
         w.heartbeat.beat(st.step, "train")
         if self.checkpointer is not None:
             self.checkpointer.snapshot_if_due(final=st.step == self.total)
-        stop, ckpt_now, pause, grow = self._reduce()
+        stop, ckpt_now, pause, grow, owed = self._reduce()
         self.step_times.append(time.monotonic() - t0)
         self._progress_steps += 1
         if self.on_step is not None:
@@ -298,7 +300,7 @@ class StepLoop(InPlaceLoop):
             self._report_progress()
         final = st.step == self.total
         if self.checkpointer is not None:
-            self._save_owed = self.checkpointer.after_step(final=final, stopping=stop, owed=self._save_owed,
+            self._save_owed = self.checkpointer.after_step(final=final, stopping=stop, owed=owed,
                                                            regrouping=grow and not stop and not final)
             if ckpt_now and not stop:
                 self.checkpointer.save_now()
@@ -321,8 +323,12 @@ class StepLoop(InPlaceLoop):
             log.warning("stop requested%s: leaving at step %d", why, st.step)
         return stop
 
-    def _reduce(self) -> tuple[bool, bool, bool, bool]:
-        """The step's one collective: reported values summed, and the stop/checkpoint/pause/grow flags."""
+    def _reduce(self) -> tuple[bool, bool, bool, bool, bool]:
+        """The step's one collective: reported values summed, and the stop/checkpoint/pause/grow/save-owed flags.
+
+        The owed save is agreed here like the others: only the ranks that were in the group at the grow's boundary
+        owe it, and its save is a collective (a rank that joined there would otherwise never enter it, and both
+        ranks would wait in different collectives until the hang detector restarted every worker)."""
         w = self.worker
         names = sorted(self._pending)
         if len(names) > MAX_METRICS:
@@ -333,7 +339,7 @@ class StepLoop(InPlaceLoop):
         flags = [float(w.stop_flag.requested or w.control.reform_requested),
                  float(w.rank == 0 and w.control.ckpt_requested),
                  float(w.control.paused), float(_names_hash(names)),
-                 float(self._grow_now())]
+                 float(self._grow_now()), float(self._save_owed)]
         timed = _FLAGS + MAX_METRICS  # then this step's prelude and busy time of each rank (stragglers.py)
         vec = torch.zeros(timed + (2 * w.world_size if self._stragglers else 0), dtype=torch.float64, device=w.device)
         vec[:_FLAGS] = torch.tensor(flags, dtype=torch.float64)
@@ -357,7 +363,7 @@ class StepLoop(InPlaceLoop):
             raise ConfigError(f"Worker.report: the ranks reported different names at step {self.state.step} (rank "
                               f"{w.rank}: {names or 'none'}); report the same names on every rank at every step")
         self.metrics = {name: out[_FLAGS + i] for i, name in enumerate(names)}
-        return out[0] > 0, out[1] > 0, out[2] > 0, out[4] > w.world_size - 0.5
+        return out[0] > 0, out[1] > 0, out[2] > 0, out[4] > w.world_size - 0.5, out[5] > 0
 
     def _grow_now(self) -> bool:
         """This rank is ready to re-form with a node that joins (a grow): its watch saw the new workers ready, and no

@@ -295,7 +295,8 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
         assert {(e.fields["agent_pid"], e.fields["recorded_here"]) for e in grows} == {(b.pid, True), (a.pid, False)}, \
             dump
         assert all(e.fields["world_size"] == 2 for e in grows), dump
-        assert sum(1 for e in evs if e.kind == "join") == 3, "a new round formed instead of growing in place"
+        assert sum(1 for e in evs if e.kind == "join") == 3, \
+            f"a new round formed instead of growing in place\n{dump}\n{job.logs()}"
         assert not [e for e in evs if e.kind == "restart"], "workers were restarted instead of re-forming in place"
         (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
         assert list(joined.values()) == list(survivor.values()), (joined, survivor)

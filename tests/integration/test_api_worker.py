@@ -55,6 +55,19 @@ def _rank_main(out: Path) -> None:
         sampler = et.ElasticSampler(64, global_batch_size=8, micro_batch_size=2)
         state = et.TrainState(model=model, optim=optim, data=sampler)
         x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+        # A durable save owed by one rank only: what a grow in place leaves on the ranks that were in the group when a
+        # save fell due at its boundary (the save is deferred to the next step); the rank that joined there owes
+        # nothing. The save is a collective: seen in CI, rank 0 entered it and rank 1 the next step's all_reduce, and
+        # both waited until the agent called the job hung. Every rank must make it.
+        owing = torch.nn.Linear(4, 1)
+        fully_shard(owing, mesh=w.mesh)
+        owing_state = et.TrainState(model=owing, optim=torch.optim.SGD(owing.parameters(), lr=0.1))
+        loop = w.steps(6, owing_state, checkpoint=str(out / "owed"), every_steps=1000)
+        for step in loop:
+            if step == 2 and w.rank == 0:
+                loop._save_owed = True
+        (out / f"owed{w.rank}.json").write_text(json.dumps({"step": owing_state.step}))
         for step in w.steps(100_000, state, checkpoint=str(out / "ckpt"), every_steps=1000):
             for mb in sampler.micro_batches():
                 model.set_requires_gradient_sync(mb.last)
@@ -106,7 +119,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     try:
         while not (out / "running1").exists():
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                pytest.fail(f"the ranks did not reach step 3 of the second loop:\n{_logs(out)}")
+                pytest.fail(f"the ranks did not reach step 3 of the last loop:\n{_logs(out)}")
             time.sleep(0.1)
         procs[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
@@ -145,6 +158,15 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint
     assert ends[0]["step"] == ends[1]["step"] >= 4 and all(e["stopped"] for e in ends)
     saved = [c for c in list_checkpoints(open_storage(str(run["out"] / "ckpt"))) if c.status == "valid"]
     assert [c.step for c in saved] == [ends[0]["step"]], "the stop saved the step both ranks ended at"
+
+
+def test_a_durable_save_owed_by_one_rank_is_made_by_every_rank_at_the_next_step(run):
+    from elastictrain.checkpoint.discovery import list_checkpoints
+    from elastictrain.checkpoint.storage import open_storage
+
+    assert [e["step"] for e in _read(run, "owed")] == [6, 6], run["logs"]
+    saved = sorted(c.step for c in list_checkpoints(open_storage(str(run["out"] / "owed"))) if c.status == "valid")
+    assert saved == [3, 6], "the owed save of the step the rank owed it at (3), and the final step's"
 
 
 def test_the_state_digest_is_the_same_on_every_rank(run):
