@@ -127,7 +127,7 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                    ELASTICTRAIN_HEARTBEAT_ADDR=str(sink.path), ELASTICTRAIN_CONTROL_FILE=str(Path(tmp) / "control"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--rounds", str(args.rounds), "--sizes", args.sizes,
+               f"--log-dir={Path(tmp) / 'torchelastic'}", __file__, "--rounds", str(args.rounds), "--sizes", args.sizes,
                "--steps-per-round", str(args.steps_per_round), "--out", args.out]
         try:
             subprocess.run(cmd, env=env, check=True)

@@ -205,6 +205,7 @@ class Job:
         # (seen: both nodes trained alone). Only "a" hosts it, as only the endpoint's host would on real nodes.
         conf = ",".join(filter(None, [CONFS["stock"][self.conf], "is_host=" + ("true" if name == "a" else "false")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", *flags, "--monitor-interval", "0.1",
+               "--log-dir", str(self.out / f"torchelastic-{name}-{len(self.nodes)}"),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
                "--rdzv-conf", conf, "-m", "elastictrain.recipes.lm", "--config", CONFIG]
         for s in sets:

@@ -248,7 +248,7 @@ class ScriptJob(Job):
 
     def uninterrupted_command(self, nproc: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                *self.script]
+                f"--log-dir={self.out / 'torchelastic'}", *self.script]
 
     def run_uninterrupted(self, nproc: int) -> dict:
         """The script under plain torchrun, `nproc` ranks, to its end (see `Job.run_uninterrupted`); rank 0's

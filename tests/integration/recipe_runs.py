@@ -20,9 +20,14 @@ FAST = [
 ]
 
 
-def torchrun_cmd(nproc: int, overrides: list[str], extra_torchrun: Optional[list[str]] = None) -> list[str]:
+def torchrun_cmd(nproc: int, overrides: list[str], extra_torchrun: Optional[list[str]] = None,
+                 log_dir: Optional[Path] = None) -> list[str]:
+    """Stock torchrun running the recipe. `log_dir`: torch's log folder (its workers' error files); without one
+    torch makes a `torchelastic_*` folder in the temp directory and never removes it (one per run of the suite's
+    baselines), so pass one inside the test's own directory."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *(extra_torchrun or []), "-m", "elastictrain.recipes.lm", "--config", str(REPO / "configs/tiny-cpu.yaml")]
+           *([f"--log-dir={log_dir}"] if log_dir is not None else []), *(extra_torchrun or []),
+           "-m", "elastictrain.recipes.lm", "--config", str(REPO / "configs/tiny-cpu.yaml")]
     for o in overrides:
         cmd += ["--set", o]
     return cmd
@@ -53,7 +58,7 @@ def run_nodes(cmd: list[str], nodes: int, cwd: Path, env: dict[str, str],
 def run_recipe(out: Path, nproc: int, overrides: list[str], timeout: float = 300,
                extra_torchrun: Optional[list[str]] = None) -> dict:
     """Run to completion; return the summary written by rank 0."""
-    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun)
+    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun, out / "torchelastic")
     r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
     return json.loads((out / "summary.json").read_text())
@@ -62,7 +67,7 @@ def run_recipe(out: Path, nproc: int, overrides: list[str], timeout: float = 300
 def start_recipe(out: Path, nproc: int, overrides: list[str],
                  extra_torchrun: Optional[list[str]] = None) -> subprocess.Popen:
     """Start a run in the background (its own session, so a test can signal the whole tree)."""
-    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun)
+    cmd = torchrun_cmd(nproc, [*FAST, f"train.output_dir={out}", *overrides], extra_torchrun, out / "torchelastic")
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "launcher.log", "w")
     return subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,

@@ -254,7 +254,8 @@ def test_a_resume_loads_its_checkpoint_and_never_reads_the_pretrained_weights(mo
               f"train.output_dir={tmp_path / 'out'}", "logging.level=INFO"]
 
     def run(extra: list[str]) -> tuple[dict, str]:
-        r = subprocess.run(torchrun_cmd(2, [*common, *extra]), cwd=REPO, env=worker_env(), capture_output=True,
+        cmd = torchrun_cmd(2, [*common, *extra], log_dir=tmp_path / "torchelastic")
+        r = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True,
                            text=True, timeout=TIMEOUT_S)
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
         return json.loads((tmp_path / "out" / "summary.json").read_text()), r.stderr

@@ -124,6 +124,7 @@ def start_agent(
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
+        f"--log-dir={workdir / 'torchelastic'}",  # not a torchelastic_* folder left in the temp directory
         *rdzv_args,
         str(WORKER),
     ]

@@ -113,7 +113,7 @@ def test_torchrun_with_an_unreachable_endpoint_fails_fast_naming_it(tmp_path: Pa
     start = time.monotonic()
     out = subprocess.run(
         [TORCHRUN, "--nnodes=1", "--rdzv-backend=etcd3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-         "--rdzv-conf=connect_timeout=2", str(WORKER)],
+         "--rdzv-conf=connect_timeout=2", f"--log-dir={tmp_path / 'torchelastic'}", str(WORKER)],
         capture_output=True, text=True, timeout=60, env={"PROGRESS_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert out.returncode != 0
