@@ -85,11 +85,12 @@ def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_
     for e, r in zip(resumed, reached):
         assert e.fields["step"] >= r - 1, (e.fields, r)
     # Two joins of the first round, one of the node that took the lost one's place: no round was formed again.
-    assert sum(1 for e in evs if e.kind == "join") == 3, "the agents re-formed the group instead of pausing in place"
+    assert sum(1 for e in evs if e.kind == "join") == 3, \
+        f"the agents re-formed the group instead of pausing in place\n{_dump(evs)}"
     assert [e for e in evs if e.kind == "hang"], "the stopped worker was not caught as hung"
     # The time ledger (status, dashboard, metrics) tells the same story: three faults, at most one step redone each.
     led = compute(evs, now=time.time(), final_step=summary["final_step"])
-    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    dump = _dump(evs)
     assert [f.kind for f in led.faults] == ["worker failure", "hang", "node lost"], dump
     assert led.recomputed_steps <= 3, [f.to_dict() for f in led.faults]
     # The replacement took b's spare: its agent starts a new one for the next fault (here it declines: this short job
@@ -141,15 +142,17 @@ def test_a_node_lost_for_good_leaves_a_smaller_world_in_place(tmp_path, etcd, ru
             shutil.rmtree(folder)  # the node's RAM is gone with it (on one machine the folder would outlive it)
         assert job.wait([b]) == [0], job.logs()
         evs = events(job)
-        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        dump = _dump(evs)
         resumed = [e for e in evs if e.kind == "in_place_resumed"]
         assert len(resumed) == 1 and resumed[0].fields.get("from_world_size") == 2, dump
         assert resumed[0].fields["to_world_size"] == 1 and resumed[0].fields["step"] >= reached - 1, dump
         start = resumed[0].fields["step"]
         shrink = [e for e in evs if e.kind == "shrink"]
         assert shrink and shrink[0].fields["world_size"] == 1 and shrink[0].fields["global_ranks"] == {"0": 0}, dump
-        assert sum(1 for e in evs if e.kind == "join") == 2, "a new round formed instead of shrinking in place"
-        assert not [e for e in evs if e.kind == "restart"], "the workers were restarted instead of going on in place"
+        assert sum(1 for e in evs if e.kind == "join") == 2, \
+            f"a new round formed instead of shrinking in place\n{_dump(evs)}"
+        assert not [e for e in evs if e.kind == "restart"], \
+            f"the workers were restarted instead of going on in place\n{_dump(evs)}"
         # An agent starts workers only at a join or a restart: b's one join started the process that finished.
         (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == b.pid]
         assert list(joined.values()) == list(survivor.values()), (joined, survivor)
@@ -193,7 +196,7 @@ def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_p
     finally:
         job.teardown()
     evs = events(job)
-    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    dump = _dump(evs)
     shrinks = [e for e in evs if e.kind == "shrink"]
     assert {e.fields["agent_pid"] for e in shrinks} == {first.pid, last.pid}, dump
     assert {e.fields["world_size"] for e in shrinks} == {2}, dump
@@ -207,7 +210,8 @@ def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_p
     (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == first.pid]
     assert list(joined.values()) == list(kept.values()), (joined, kept)
     assert not [e for e in evs if e.kind == "restart" and not e.fields.get("in_place")], dump
-    assert sum(1 for e in evs if e.kind == "join") == 3, "a new round formed instead of going on in place"
+    assert sum(1 for e in evs if e.kind == "join") == 3, \
+        f"a new round formed instead of going on in place\n{_dump(evs)}"
     resumed = [e for e in evs if e.kind == "in_place_resumed"]
     assert len(resumed) == 2 and resumed[0].fields["to_world_size"] == 2, dump
     assert resumed[0].fields["step"] >= reached - 1, dump
@@ -232,15 +236,17 @@ def test_a_drained_node_leaves_a_smaller_world_in_place(tmp_path, etcd, run_id, 
     finally:
         job.teardown()
     evs = events(job)
-    dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+    dump = _dump(evs)
     resumed = [e for e in evs if e.kind == "in_place_resumed"]
     assert len(resumed) == 1 and resumed[0].fields.get("to_world_size") == 1, dump
     start = resumed[0].fields["step"]
     assert start == resumed[0].fields["failed_step"], "a drain saves its step: nothing may be recomputed"
     assert [e.fields["reason"] for e in evs if e.kind == "shrink" and e.fields.get("recorded_here")] == \
         ["node drained"], dump
-    assert not [e for e in evs if e.kind in ("restart", "reform")], "the survivor re-formed instead of going on"
-    assert sum(1 for e in evs if e.kind == "join") == 2, "a new round formed instead of shrinking in place"
+    assert not [e for e in evs if e.kind in ("restart", "reform")], \
+        f"the survivor re-formed instead of going on\n{_dump(evs)}"
+    assert sum(1 for e in evs if e.kind == "join") == 2, \
+        f"a new round formed instead of shrinking in place\n{_dump(evs)}"
     # An agent starts workers only at a join or a restart: a's one join started the process that finished the job.
     (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
     assert list(joined.values()) == list(survivor.values()), (joined, survivor)
@@ -248,6 +254,11 @@ def test_a_drained_node_leaves_a_smaller_world_in_place(tmp_path, etcd, run_id, 
     replay = replay_on_one_rank(job, reference, start, tmp_path / "replay")
     assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items() if int(k) > start}},
                             replay)
+
+
+def _dump(evs: list) -> str:
+    """The job's events, one JSON line each: what a failed assertion shows (a CI run keeps nothing else)."""
+    return "\n".join(json.dumps(event_dict(e)) for e in evs)
 
 
 def _wait_for_event(job: Job, what, timeout: float = 90) -> list:
@@ -258,7 +269,7 @@ def _wait_for_event(job: Job, what, timeout: float = 90) -> list:
             return evs
         if time.monotonic() - start >= timeout:
             job.dump_stacks()  # where the stuck worker waits, in the agents' logs under the test's tmp_path
-            raise AssertionError("\n".join(json.dumps(event_dict(e)) for e in evs))
+            raise AssertionError(_dump(evs))
         time.sleep(0.25)
 
 
@@ -284,20 +295,22 @@ def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, e
         b = job.start_node("b")
         assert job.wait([a, b]) == [0, 0], job.logs()
         evs = events(job)
-        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        dump = _dump(evs)
         resumed = [e for e in evs if e.kind == "in_place_resumed"]
         assert [(e.fields.get("from_world_size"), e.fields.get("to_world_size")) for e in resumed] == \
             [(2, 1), (1, 2)], dump
         shrunk_at, grown = resumed[0].fields["step"], resumed[1]
         assert grown.fields.get("grew") and grown.fields["cause"] == "a node joined", dump
-        assert grown.fields["step"] == grown.fields["failed_step"], "steps were computed again after the grow"
+        assert grown.fields["step"] == grown.fields["failed_step"], \
+            f"steps were computed again after the grow\n{_dump(evs)}"
         grows = [e for e in evs if e.kind == "grow"]
         assert {(e.fields["agent_pid"], e.fields["recorded_here"]) for e in grows} == {(b.pid, True), (a.pid, False)}, \
             dump
         assert all(e.fields["world_size"] == 2 for e in grows), dump
         assert sum(1 for e in evs if e.kind == "join") == 3, \
             f"a new round formed instead of growing in place\n{dump}\n{job.logs()}"
-        assert not [e for e in evs if e.kind == "restart"], "workers were restarted instead of re-forming in place"
+        assert not [e for e in evs if e.kind == "restart"], \
+            f"workers were restarted instead of re-forming in place\n{_dump(evs)}"
         (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
         assert list(joined.values()) == list(survivor.values()), (joined, survivor)
         # The snapshot of the step the group stopped at (the durable checkpoint instead when that step has one).
@@ -356,7 +369,7 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
         b = job.start_node("b")
         assert job.wait([a, b]) == [0, 0], job.logs()
         evs = events(job)
-        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        dump = _dump(evs)
         assert not [e for e in evs if e.kind == "join" and e.fields["agent_pid"] == b.pid and
                     e.fields.get("world_size") == 1], f"the node that came back formed a round of its own\n{dump}"
         assert {e.fields["agent_pid"] for e in evs if e.kind == "grow"} == {a.pid, b.pid}, dump
@@ -384,7 +397,7 @@ def test_the_job_finishing_before_a_pending_grow_re_forms_ends_every_node(tmp_pa
             os.kill(pid, signal.SIGSTOP)
         assert job.wait([a, b], timeout=120) == [0, 0], job.logs()
         evs = events(job)
-        dump = "\n".join(json.dumps(event_dict(e)) for e in evs)
+        dump = _dump(evs)
         assert [e.kind for e in evs if e.fields.get("agent_pid") == b.pid and e.kind in ("grow", "grow_abandoned")] \
             == ["grow", "grow_abandoned"], dump
         resumed = [e for e in evs if e.kind == "in_place_resumed"]
