@@ -526,6 +526,7 @@ def main() -> None:
     t_start = time.monotonic()
     with EmbeddedEtcd() as etcd, tempfile.TemporaryDirectory(prefix="goodput-bench-") as tmp:
         if args.keep:  # node logs, ledgers and checkpoints stay there for a post-mortem
+            os.makedirs(args.keep, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix="goodput-bench-", dir=args.keep)
             meta["kept"] = tmp
         for i in range(args.rounds):
