@@ -1,9 +1,10 @@
 """The public worker API on two ranks (gloo on loopback, one OS process per rank as torchrun would start them).
 
-What one process cannot show: ranks that report different names fail together instead of hanging, and a
-SIGTERM to one rank ends the loop on every rank at the same step, with a checkpoint of that step. Both are
-shown by one launch (starting two processes costs more than both scenarios): the ranks run this file's
-`__main__` (`python test_api_worker.py <out_dir>`), and the tests read what each rank wrote.
+What one process cannot show: ranks that report different names fail together instead of hanging, a durable save
+owed by one rank only (a grow's survivors owe it) is made by every rank, and a SIGTERM to one rank ends the loop on
+every rank at the same step, with a checkpoint of that step. All are shown by one launch (starting two processes
+costs more than the scenarios): the ranks run this file's `__main__` (`python test_api_worker.py <out_dir>`), and the
+tests read what each rank wrote.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _rank_main(out: Path) -> None:
         loop = w.steps(6, owing_state, checkpoint=str(out / "owed"), every_steps=1000)
         for step in loop:
             if step == 2 and w.rank == 0:
-                loop._save_owed = True
+                loop._save_owed = True  # private: what the step loop sets on a survivor at such a boundary
         (out / f"owed{w.rank}.json").write_text(json.dumps({"step": owing_state.step}))
         for step in w.steps(100_000, state, checkpoint=str(out / "ckpt"), every_steps=1000):
             for mb in sampler.micro_batches():
