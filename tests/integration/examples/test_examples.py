@@ -46,7 +46,8 @@ def torchrun(example: str, out: Path, env: dict[str, str] | None = None) -> subp
     """Plain torchrun (static rendezvous on a free loopback port), 2 workers."""
     torchrun_bin = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun_bin), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), *script_argv(example, out)]
+           "--master-port", str(free_port()), f"--log-dir={out / 'torchelastic'}",  # no torchelastic_* left in /tmp
+           *script_argv(example, out)]
     return subprocess.run(cmd, cwd=REPO, env={**worker_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=240)
 
