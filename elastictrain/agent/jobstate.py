@@ -223,7 +223,7 @@ def progress_series(events: list[Event], limit: int = PROGRESS_POINTS) -> list[d
 
 def last_in_place(events: list[Event]) -> Optional[dict[str, Any]]:
     """The newest recovery in place: the replacing agent's `restart` event (in_place) and, once the group went on,
-    rank 0's `in_place_resumed` after it. None when the job never recovered in place."""
+    the lowest surviving rank's `in_place_resumed` after it. None when the job never recovered in place."""
     start = next((e for e in reversed(events) if e.kind == "restart" and e.fields.get("in_place")), None)
     if start is None:
         return None

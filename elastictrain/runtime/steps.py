@@ -104,6 +104,8 @@ class StepLoop(InPlaceLoop):
         self.step_times: list[float] = []
         self.resumed_from: Optional[str] = None
         self.start_step = 0
+        self.reporter = 0
+        """The rank that reports this group's start (an in-place recovery's `in_place_resumed`): the lowest survivor."""
         self.stopped = self.stopped_by_peer = False
         self._pending: dict[str, Any] = {}
         self._fingerprint = fingerprint_parts(fingerprint or {})
@@ -249,7 +251,7 @@ class StepLoop(InPlaceLoop):
             self._agree_generation(w.in_place)
             if self._stuck is None and self._guarded_loop():
                 self._stuck = StuckWatch(w.in_place, pausing=lambda: self._pausing, grace=self._stuck_grace).start()
-        self._verify_consistent_start()
+        self._verify_consistent_start(in_place=recovering)
         self.start_step = st.step
         if self._audit_dir is not None:
             # Identifies this launch in the ledger; newer launches (after a restart) supersede older ones.
@@ -261,15 +263,22 @@ class StepLoop(InPlaceLoop):
         w.heartbeat.beat(st.step, "train")
         self._released, self._first_forward = time.monotonic(), 0.0
 
-    def _verify_consistent_start(self) -> None:
-        """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint."""
+    def _verify_consistent_start(self, in_place: bool = False) -> None:
+        """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint.
+
+        ``in_place``: this rank resumes in place (a survivor, not a replacement). The lowest such rank reports the
+        recovery (`reporter`): rank 0 when it survived, else another survivor, since a replaced rank 0 knows neither
+        the pause nor the old generation."""
         w, st = self.worker, self.state
         mine = (st.step, [s.samples_consumed for s in st.samplers], sorted(self._fingerprint.items()),
                 self.resumed_from)
+        self.reporter = 0
         if w.world_size == 1:
             return
-        views: list[Any] = [None] * w.world_size
-        dist.all_gather_object(views, mine)
+        gathered: list[Any] = [None] * w.world_size
+        dist.all_gather_object(gathered, (mine, in_place))
+        views = [g[0] for g in gathered]
+        self.reporter = next((r for r, g in enumerate(gathered) if g[1]), 0)
         if any(v != views[0] for v in views):
             detail = "; ".join(f"rank {r}: step {v[0]}, samples {v[1]}, checkpoint {v[3]}" for r, v in enumerate(views))
             raise CheckpointError(f"ranks disagree on the starting state after (re)load: {detail}. Check that "

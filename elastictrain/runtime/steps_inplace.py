@@ -38,6 +38,7 @@ class InPlaceLoop:
     state: TrainState
     step_times: list[float]
     recoveries: int
+    reporter: int
     checkpointer: Any
     ledger: Any
     _checkpointer: Optional[Callable[[], Any]]
@@ -181,7 +182,7 @@ class InPlaceLoop:
         self.recoveries += 1
         self._pausing = False
         pause = time.monotonic() - started
-        if w.is_main:
+        if w.rank == self.reporter:  # the lowest survivor: rank 0 may be a replacement, which knows no pause
             log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)
             w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
                               pause_s=round(pause, 3), cause=cause,

@@ -101,6 +101,37 @@ def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_
         "the agent did not consider refilling its spare after the in-place replacement"
 
 
+def test_a_killed_rank_0_is_replaced_alone_and_the_surviving_rank_reports_the_recovery(in_place_job, reference):
+    """Rank 0 reports the group's events, but a replaced rank 0 is a new process: it knows neither the pause nor the
+    old generation. The lowest surviving rank reports the recovery instead. Seen in a goodput run: with rank 0 the
+    victim nobody said the group resumed, so the time ledger kept the fault open until the next one (23.7 s charged
+    for a 0.3 s pause), called the other node lost, and `status` said the recovery had not finished."""
+    job = in_place_job
+    a, b = start_two(job)
+    victim, survivor = job.wait_workers(a), job.wait_workers(b)
+    saved = job.valid_checkpoints()
+    reached = job.max_step()
+    signal_worker(a.pid, signal.SIGKILL)
+    job.wait_for_step(reached + 3, world_size=2)
+    assert job.wait_workers(b) == survivor, "the survivor was restarted instead of pausing in place"
+    assert job.wait_workers(a) != victim, "the victim was not replaced"
+    assert job.wait([a, b]) == [0, 0], job.logs()
+    summary = assert_recovered(job, saved, ON_TWO)
+    assert_same_train_state(summary, reference.summary)
+
+    evs = events(job)
+    dump = _dump(evs)
+    replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
+    assert [e.fields["replaced_ranks"] for e in replaced] == [[0]], dump
+    resumed = [e for e in evs if e.kind == "in_place_resumed"]
+    assert len(resumed) == 1 and resumed[0].node != replaced[0].node, f"no survivor reported the recovery\n{dump}"
+    assert resumed[0].fields["step"] >= reached - 1 and resumed[0].fields["pause_s"] < 30, resumed[0].fields
+    led = compute(evs, now=time.time(), final_step=summary["final_step"])
+    assert [f.kind for f in led.faults] == ["worker failure"], dump
+    fault = led.faults[0]
+    assert fault.resumed_at is not None and fault.resumed_at <= resumed[0].time and fault.lost_s < 30, fault.to_dict()
+
+
 def test_a_lost_node_whose_place_is_not_held_falls_back_to_a_restart_of_every_worker(tmp_path, etcd, run_id,
                                                                                    reference):
     """Without `elastic.rejoin_wait_s` nobody will take a lost node's ranks: the survivor gives up the in-place path
