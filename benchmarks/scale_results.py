@@ -133,6 +133,9 @@ def plot(result: dict, path: Path) -> None:
     sizes, summary = result["meta"]["sizes"], result["summary"]
     storages = result["meta"]["settings"]["storage"]
     faults = [f for f in FAULTS if any(f in b for a in summary.values() for b in a.values())]
+    if not faults:  # every job failed before its first fault: the JSON says why
+        print(f"no fault was measured: no {path.name}", flush=True)  # noqa: T201
+        return
     fig, axes = plt.subplots(len(faults), len(storages), figsize=(max(6 * len(storages), 9), 4.4 * len(faults)),
                              squeeze=False)
     colors = {"stock": "tab:orange", "ours-durable": "tab:blue", "ours-snapshot": "tab:green",
