@@ -412,18 +412,25 @@ def publish_job(client: EtcdClient, run_prefix: str, record: JobRecord) -> None:
         log.warning("could not publish the job record to etcd: %s", e)
 
 
-def _process_started() -> float:
-    """When this agent's process started: the job began then, not once its imports were done.
-
-    On Linux from the process's start in clock ticks since boot and the boot clock now (10 ms resolution). Not
-    psutil's `create_time`: it adds those ticks to the boot time of /proc/stat, which is whole seconds, so it can be
-    up to 1 s early (0.75 s on one CI machine, which put the ledger's start before the job was launched)."""
+def process_started(pid: int) -> float:
+    """When process `pid` started, on the wall clock to a clock tick (Linux): its start in ticks since boot
+    (/proc/<pid>/stat) moved by the boot clock's offset now. Not psutil's `create_time`: it adds those ticks to the
+    boot time of /proc/stat, which is whole seconds, so it can be up to 1 s early (0.75 s on one CI machine, which put
+    the ledger's start before the job was launched). Raises OSError where /proc or the boot clock is missing."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - max(0.0, age)
-    except (OSError, ValueError, IndexError, AttributeError):
+    except (ValueError, IndexError, AttributeError) as e:
+        raise OSError(f"no start time for process {pid}: {e}") from e
+    return time.time() - max(0.0, age)
+
+
+def _process_started() -> float:
+    """When this agent's process started: the job began then, not once its imports were done."""
+    try:
+        return process_started(os.getpid())
+    except OSError:
         pass
     try:
         return float(psutil.Process(os.getpid()).create_time())

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elastictrain.agent.status import process_started
 from elastictrain.runtime.warmstart import MODULE as WARMSTART
 from elastictrain.runtime.warmstart import assigned_rank
 
@@ -170,17 +171,10 @@ def _idle_spares(agent_pid: int) -> dict[int, float]:
         try:
             if (WARMSTART in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
                     and assigned_rank(p.pid, p.environ()) is None):
-                out[p.pid] = _started_at(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+                out[p.pid] = process_started(p.pid)  # psutil's create_time: up to 1 s early
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
             continue
     return out
-
-
-def _started_at(pid: int) -> float:
-    """When a process started, on the wall clock to a clock tick: its start time in /proc (ticks since boot) moved
-    by the boot clock's offset now (psutil's create_time adds a boot time rounded to the second)."""
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    return ticks / os.sysconf("SC_CLK_TCK") + time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def _steps_written(progress: Path, restart: int, step: int, seen: dict[int, float]) -> None:
