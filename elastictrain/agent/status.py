@@ -19,6 +19,7 @@ node status, logs etcd errors and tries again.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -426,8 +427,11 @@ def process_started(pid: int) -> float:
     return time.time() - max(0.0, age)
 
 
+@functools.lru_cache(maxsize=1)
 def _process_started() -> float:
-    """When this agent's process started: the job began then, not once its imports were done."""
+    """When this agent's process started: the job began then, not once its imports were done. Computed once: the
+    wall and boot clocks are read a few microseconds apart, and a job record published again by this agent must keep
+    the same start."""
     try:
         return process_started(os.getpid())
     except OSError:
