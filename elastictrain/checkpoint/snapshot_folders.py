@@ -91,6 +91,11 @@ def read_run_folder(path: Path) -> RunFolder:
     return folder
 
 
+def run_folders(base: Path) -> list[Path]:
+    """The folders under `base` (the node's snapshot base), by name; none when it is missing."""
+    return _children(base)
+
+
 def list_run_folders(base: Path) -> list[RunFolder]:
     """Every run folder under `base` (the node's snapshot base), by name."""
     return [read_run_folder(d) for d in _children(base)]

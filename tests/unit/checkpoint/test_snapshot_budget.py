@@ -4,13 +4,24 @@ with one line naming the numbers and the fix; one whose snapshots fit goes on. R
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from elastictrain.checkpoint import snapshot_budget
 from elastictrain.checkpoint.snapshot import SnapshotStore
-from elastictrain.checkpoint.snapshot_budget import check_snapshot_budget, host_memory_bytes, ram_per_state_gb
+from elastictrain.checkpoint.snapshot_budget import (
+    PLAN_FILE,
+    check_snapshot_budget,
+    host_memory_bytes,
+    ram_per_state_gb,
+)
 from elastictrain.checkpoint.snapshot_folders import bytes_held
 from elastictrain.config import load_config, parse_memory_size
 from elastictrain.errors import ConfigError
@@ -94,3 +105,86 @@ def test_snapshot_memory_takes_sizes_bytes_and_fractions(value, expected):
 def test_a_bad_snapshot_memory_names_the_field_and_the_fix(value):
     with pytest.raises(ConfigError, match=r"checkpoint\.snapshot_memory.*(8GiB|expected)"):
         load_config(None, [f"checkpoint.snapshot_memory={value}"])
+
+
+# --- several agents on one host (two jobs, or the simulated nodes of a test) ------------------------------------
+
+def _agent_folder(base, pid: int):
+    """An agent's run folder as agent/snapshots.py names it: `<run>-<agent pid>`."""
+    folder = base / f"job-{pid}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of a process that runs for the test (standing for another agent on the host)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _plenty_of_memory(monkeypatch):
+    """These tests are about the file system's share; the host's free memory is the subject of the last one."""
+    monkeypatch.setattr(snapshot_budget, "ram_available_bytes", lambda: 1 << 60)
+
+
+@pytest.fixture
+def shm_dir():
+    """A folder on /dev/shm, where snapshots live (mostly free: the default budget, half of it, is the limit)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = tempfile.mkdtemp(dir="/dev/shm", prefix="et-budget-test-")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_agents_on_one_host_share_the_default_budget_and_the_second_stops_naming_the_first(
+        shm_dir, live_pid, monkeypatch):
+    _plenty_of_memory(monkeypatch)
+    base = shm_dir / "elastictrain-snapshots"
+    first, second = _agent_folder(base, live_pid), _agent_folder(base, os.getpid())
+    fs = os.statvfs(shm_dir)
+    share = fs.f_blocks * fs.f_frsize // 2
+    per_rank = share * 6 // 10 // 2  # each node's two slots take 0.6 of the default budget: one node fits, not two
+    if fs.f_bavail * fs.f_frsize < 4 * per_rank:
+        pytest.skip("/dev/shm is more than half full")
+    plan = check_snapshot_budget(per_rank, local_ranks=1, budget=None, folder=first, replica=False)
+    assert plan.budget == share and not plan.others
+    assert json.loads((first / PLAN_FILE).read_text()) == {"needed": 2 * per_rank}  # nothing written yet but this
+    with pytest.raises(ConfigError) as e:
+        check_snapshot_budget(per_rank, local_ranks=1, budget=None, folder=second, replica=False)
+    msg = str(e.value)
+    assert f"allows {share - 2 * per_rank} bytes" in msg and "less" in msg and "1 other agent(s) on this host" in msg
+    assert "other agents on this host plan" in msg and first.name in msg and "run fewer nodes or jobs per host" in msg
+    # An explicit budget is this node's own; the free space still counts what the first agent will write.
+    plan = check_snapshot_budget(per_rank, local_ranks=1, budget=2 * per_rank, folder=second, replica=False)
+    assert plan.available <= fs.f_bavail * fs.f_frsize - 2 * per_rank + bytes_held(second)
+    assert [o.path for o in plan.others] == [first]
+
+
+def test_the_folder_of_a_gone_agent_is_not_counted(tmp_path, monkeypatch):
+    _plenty_of_memory(monkeypatch)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    base = tmp_path / "elastictrain-snapshots"
+    dead, mine = _agent_folder(base, gone.pid), _agent_folder(base, os.getpid())
+    (dead / PLAN_FILE).write_text(json.dumps({"needed": 1 << 50}))
+    plan = check_snapshot_budget(MiB, local_ranks=1, budget=None, folder=mine, replica=False)
+    assert not plan.others and "less" not in plan.budget_from
+
+
+def test_slots_another_agent_planned_but_has_not_written_count_against_the_hosts_free_memory(tmp_path, live_pid):
+    free = snapshot_budget.ram_available_bytes()
+    assert free is not None and free > 0  # /proc/meminfo: MemAvailable
+    base = tmp_path / "elastictrain-snapshots"
+    first, second = _agent_folder(base, live_pid), _agent_folder(base, os.getpid())
+    # The first agent passed its check when the memory was free, and has not written its slots yet.
+    (first / PLAN_FILE).write_text(json.dumps({"needed": free}))
+    with pytest.raises(ConfigError) as e:
+        check_snapshot_budget(64 * MiB, local_ranks=1, budget="1TiB", folder=second, replica=True)
+    msg = str(e.value)
+    assert "of memory free for the" in msg and "MemAvailable, less what other agents planned" in msg
+    assert "free memory on the host" in msg and first.name in msg and "\n" not in msg
+    assert not (second / PLAN_FILE).exists()  # a node that does not fit claims nothing
