@@ -286,12 +286,25 @@ def _plan(state_bytes_per_rank: int, local_ranks: int, budget: Union[int, float,
                       f"checkpoint.snapshot_every_steps=0")
 
 
+class SnapshotRoomError(OSError):
+    """The node's snapshots do not fit any more: a worker restarted or re-formed in place at a smaller world (each
+    rank's share of the train state grew), or the host's memory filled. The job goes on with the durable tier
+    (`checkpoint_snapshot_failed`); stopping a job that has trained, as at a fresh start, would lose more."""
+
+
 def room_check(budget: Union[int, float, str, None], folder: Path, local_ranks: int,
-               replica: bool, durable: bool = False) -> Callable[[int], None]:
+               replica: bool, durable: bool = False, fatal: Callable[[], bool] = lambda: True
+               ) -> Callable[[int], None]:
     """The check a `SnapshotStore` runs before it first reserves its slots (and when the state grows): raises
-    `check_snapshot_budget`'s ConfigError, logs the numbers once when they fit."""
+    `check_snapshot_budget`'s ConfigError when `fatal()` (a fresh start: the job stops with the message), else
+    `SnapshotRoomError` (snapshots turn off); logs the numbers once when they fit."""
     def check(state_bytes_per_rank: int) -> None:
-        plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica, durable)
+        try:
+            plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica, durable)
+        except ConfigError as e:
+            if fatal():
+                raise
+            raise SnapshotRoomError(str(e)) from None
         log.info("in-memory snapshots need %s on this node of %s allowed (%s), %s free, %s of memory free",
                  _human(plan.needed), _human(plan.budget), plan.budget_from, _human(plan.available),
                  "?" if plan.ram_free is None else _human(plan.ram_free))

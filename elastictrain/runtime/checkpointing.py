@@ -101,6 +101,9 @@ class StateCheckpointer:
         """A durable save due at this step, to be written from its snapshot once that is committed."""
         self._hook: Optional[RemovableHandle] = None
         self._pacer: Optional[SnapshotPacer] = None
+        self._fresh = state.step == 0
+        """A run from its start, nothing restored: snapshots that do not fit stop it (a ConfigError at start-up);
+        once it trained or resumed, they turn off instead and the durable tier goes on."""
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
@@ -108,10 +111,11 @@ class StateCheckpointer:
             # Durable saves are written from the snapshots, not staged from the live state (thread mode: the
             # process-based checkpointer would copy the slots into its own shared memory first).
             self.mgr.saves_from_snapshots = bool(cfg.url) and cfg.async_save and cfg.async_mode == "thread"
-            # With more than one node, the agent also keeps a peer node's replicas in this folder.
-            room = room_check(cfg.snapshot_memory, Path(root), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                              replica=int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1,
-                              durable=self.mgr.saves_from_snapshots)
+            # With more than one node in this world, the agent also keeps a peer node's replicas in this folder (a
+            # survivor re-formed in place keeps its start's environment: the world it trains in says).
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            room = room_check(cfg.snapshot_memory, Path(root), local_ranks, replica=world_size > local_ranks,
+                              durable=self.mgr.saves_from_snapshots, fatal=lambda: self._fresh)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
             self._pacer = SnapshotPacer(cfg.snapshot_every_steps, agree=self.mgr.agree_max)
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
@@ -132,11 +136,13 @@ class StateCheckpointer:
         """Load the newest state that exists (a snapshot every rank holds, or a durable checkpoint); None: fresh."""
         resumed = self._restore_snapshot()
         if resumed is not None:
+            self._fresh = False
             return resumed
         loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank, for_load=True))
         if loaded is None:
             return None
         self._last_saved = self._resumed = loaded.step
+        self._fresh = False
         return Resumed(loaded.url, loaded.step, bool(loaded.missing_keys) or loaded.world_size != self.world_size)
 
     def _restore_snapshot(self) -> Optional[Resumed]:

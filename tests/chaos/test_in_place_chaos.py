@@ -19,11 +19,13 @@ from elastictrain.agent.ledger import compute
 from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import drain_node, signal_worker
 from elastictrain.runtime.injected_faults import ENV_CHAOS
+from elastictrain.runtime.inplace import GENERATIONS_PREFIX
 from tests.chaos.cluster import STEPS, Job, Reference
 from tests.chaos.test_agent_chaos import (
     FAULT_STEP,
     ON_TWO,
     WAIT_FOR_REJOIN,
+    _etcd,
     assert_recovered,
     events,
     replay_on_one_rank,
@@ -115,6 +117,9 @@ def test_a_killed_rank_0_is_replaced_alone_and_the_surviving_rank_reports_the_re
     job.wait_for_step(reached + 3, world_size=2)
     assert job.wait_workers(b) == survivor, "the survivor was restarted instead of pausing in place"
     assert job.wait_workers(a) != victim, "the victim was not replaced"
+    # The reporter also drops the old group's store keys: a job of many faults does not pile them up in etcd.
+    generations = _poll(lambda: _generations_in_etcd(job), lambda g: len(g) == 1, timeout=10)
+    assert len(generations) == 1, f"store keys of more than the running group are left in etcd: {generations}"
     assert job.wait([a, b]) == [0, 0], job.logs()
     summary = assert_recovered(job, saved, ON_TWO)
     assert_same_train_state(summary, reference.summary)
@@ -130,6 +135,27 @@ def test_a_killed_rank_0_is_replaced_alone_and_the_surviving_rank_reports_the_re
     assert [f.kind for f in led.faults] == ["worker failure"], dump
     fault = led.faults[0]
     assert fault.resumed_at is not None and fault.resumed_at <= resumed[0].time and fault.lost_s < 30, fault.to_dict()
+
+
+def _generations_in_etcd(job: Job) -> set[str]:
+    """The in-place groups (`g<n>`) that have store keys in etcd under the job's prefix."""
+    client, prefix = _etcd(job)
+    try:
+        keys = client.get_prefix(f"{prefix}/{GENERATIONS_PREFIX}/")
+    finally:
+        client.close()
+    heads = {k.removeprefix(f"{prefix}/{GENERATIONS_PREFIX}/").split("/", 1)[0] for k in keys}
+    return {h for h in heads if re.fullmatch(r"g\d+", h)}
+
+
+def _poll(read, done, timeout: float):
+    """`read()` until `done(value)` or `timeout` seconds; the last value."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = read()
+    return value
 
 
 def test_a_lost_node_whose_place_is_not_held_falls_back_to_a_restart_of_every_worker(tmp_path, etcd, run_id,

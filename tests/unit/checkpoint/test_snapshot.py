@@ -188,3 +188,35 @@ def test_snapshots_that_do_not_fit_the_memory_budget_stop_the_job_at_the_first_s
         assert not list((tmp_path / "shm").rglob("slot*.bin")), "nothing reserved in node RAM"
     finally:
         ckpt.close()
+
+
+def test_snapshots_that_no_longer_fit_after_a_resume_turn_off_and_training_goes_on(tmp_path, monkeypatch):
+    """A job that has trained is not stopped by the budget: after a restart or a re-form at a smaller world (each
+    rank's share grew) snapshots that do not fit turn off with an event, and the durable tier goes on. Seen at 150M:
+    a survivor re-formed alone needed twice its share, and the job would have ended there."""
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    state, model, optim = _state(0)
+    durable = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), async_save=False), state,
+                                Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    _train(state, model, optim)
+    durable.save_now()
+    durable.close()
+    state, model, optim = _state(1)
+    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0,
+                                              snapshot_memory=1000), state, Heartbeat(None), rank=0, world_size=1,
+                             fingerprint={})
+    events = []
+    ckpt._emit = lambda name, fields: events.append((name, fields))
+    try:
+        assert ckpt.restore() is not None and state.step == 1
+        _train(state, model, optim)
+        ckpt.snapshot_if_due(final=False)
+        assert ckpt.snapshots is None, "snapshots that do not fit stayed on"
+        assert [name for name, _ in events] == ["checkpoint_snapshot_failed"]
+        assert "checkpoint.snapshot_memory allows 1000 bytes" in events[0][1]["error"]
+        _train(state, model, optim)
+        ckpt.snapshot_if_due(final=False)  # no second attempt, no error
+        assert not list((tmp_path / "shm").rglob("slot*.bin")), "nothing reserved in node RAM"
+    finally:
+        ckpt.close()
