@@ -50,8 +50,9 @@ _INTERRUPTS = {"failure", "hang", "restart", "reform"}
 _LOADS = {"checkpoint_loaded", "checkpoint_snapshot_loaded"}
 _ENDS = {"succeeded", "fatal", "budget_exhausted", "crash_loop", "no_progress"}
 _BOOKKEEPING = {"checkpoint_snapshot_replicated", "checkpoint_snapshot_replica_failed", "checkpoint_snapshot_interval",
-                "checkpoint_snapshot_skipped", "checkpoint_snapshot_failed", "checkpoint_deleted", "checkpoint_skipped",
-                "checkpoint_failed", "checkpoint_storage_unreachable", "checkpoint_storage_full", "section_declared"}
+                "checkpoint_snapshot_skipped", "checkpoint_snapshot_failed", "checkpoint_snapshot_resumed",
+                "checkpoint_deleted", "checkpoint_skipped", "checkpoint_failed", "checkpoint_storage_unreachable",
+                "checkpoint_storage_full", "section_declared"}
 """Events that come at any time, also while a group recovers (an agent's replica to a peer that just joined, a save
 that failed with the aborted group, a corrupt checkpoint skipped by the load): no sign that training resumed."""
 _NOT_TRAINING = _INTERRUPTS | _LOADS | _ENDS | _BOOKKEEPING | {"join", "leave", "drain", "operator", FAULT_COST_EVENT,

@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from elastictrain.checkpoint.manager import CheckpointManager, EventSink
 from elastictrain.checkpoint.replica_fetch import Offer, fetch_offer, find_offers
 from elastictrain.checkpoint.snapshot import ENV_SNAPSHOT_DIR, SnapshotInfo, SnapshotStore, storage_key
-from elastictrain.checkpoint.snapshot_budget import room_check
+from elastictrain.checkpoint.snapshot_budget import SnapshotRoomError, room_check
 from elastictrain.checkpoint.snapshot_reshard import (
     Candidate,
     Holding,
@@ -102,6 +102,8 @@ class StateCheckpointer:
         self._hook: Optional[RemovableHandle] = None
         self._pacer: Optional[SnapshotPacer] = None
         self._fresh = state.step == 0
+        self._no_room_since: Optional[int] = None
+        """The step from which this node's snapshots have not fit (`_no_room`), while they do not."""
         """A run from its start, nothing restored: snapshots that do not fit stop it (a ConfigError at start-up);
         once it trained or resumed, they turn off instead and the durable tier goes on."""
         root = os.environ.get(ENV_SNAPSHOT_DIR)
@@ -410,8 +412,25 @@ class StateCheckpointer:
             state = self.state.checkpoint_state(self.rank, reuse=True)
             self.snapshots.save(step, state, later=self._optimizer_storages())
             self._snapshot_step = step
+        except SnapshotRoomError as e:
+            self._no_room(step, e)
+            return
         except OSError as e:  # /dev/shm full (reserved before any write: never a SIGBUS), or gone
             self._snapshots_off(step, e)
+            return
+        if self._no_room_since is not None:
+            log.info("in-memory snapshots taken again at step %d (no room from step %d)", step, self._no_room_since)
+            self._emit("checkpoint_snapshot_resumed", {"step": step, "since": self._no_room_since})
+            self._no_room_since = None
+
+    def _no_room(self, step: int, e: SnapshotRoomError) -> None:
+        """The node's snapshots do not fit now (after a resume or a re-form). Often for a while only: a survivor's
+        slots of the smaller world shrink as they are rewritten at the new one. Retried at each snapshot due; the
+        durable saves meanwhile come from the live state (this rank has no snapshot of their step)."""
+        if self._no_room_since is None:
+            self._no_room_since = step
+            log.warning("no in-memory snapshot of step %d (retried at the next one): %s", step, e)
+            self._emit("checkpoint_snapshot_failed", {"step": step, "error": str(e), "retrying": True})
 
     def _optimizer_storages(self) -> frozenset[int]:
         """The tensors only `optimizer.step()` changes in place: its parameters and its state."""

@@ -4,13 +4,16 @@ foreign snapshot is never loaded, and a full /dev/shm turns snapshots off withou
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
 
 import pytest
 import torch
 
 from elastictrain import ElasticSampler, TrainState
 from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.checkpoint.snapshot_budget import PLAN_FILE
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import ConfigError
 from elastictrain.runtime.checkpointing import StateCheckpointer
@@ -190,33 +193,44 @@ def test_snapshots_that_do_not_fit_the_memory_budget_stop_the_job_at_the_first_s
         ckpt.close()
 
 
-def test_snapshots_that_no_longer_fit_after_a_resume_turn_off_and_training_goes_on(tmp_path, monkeypatch):
+def test_snapshots_that_do_not_fit_after_a_resume_wait_for_room_while_training_goes_on(tmp_path, monkeypatch):
     """A job that has trained is not stopped by the budget: after a restart or a re-form at a smaller world (each
-    rank's share grew) snapshots that do not fit turn off with an event, and the durable tier goes on. Seen at 150M:
-    a survivor re-formed alone needed twice its share, and the job would have ended there."""
-    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
-    state, model, optim = _state(0)
-    durable = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), async_save=False), state,
-                                Heartbeat(None), rank=0, world_size=1, fingerprint={})
-    _train(state, model, optim)
-    durable.save_now()
-    durable.close()
-    state, model, optim = _state(1)
-    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0,
-                                              snapshot_memory=1000), state, Heartbeat(None), rank=0, world_size=1,
-                             fingerprint={})
-    events = []
-    ckpt._emit = lambda name, fields: events.append((name, fields))
+    rank's share grew) snapshots that do not fit are skipped with one event, the durable tier goes on, and they are
+    taken again once they fit. Seen at 150M: a survivor re-formed alone needed twice its share, and the job ended
+    there; at the grow after it, the returning node found the survivor's slots of the smaller world not yet shrunk.
+    Here another agent on the host (a live process) has planned more than the host has, then goes."""
+    base = tmp_path / "elastictrain-snapshots"
+    other = subprocess.Popen(["sleep", "60"])
     try:
+        (base / f"job-{other.pid}").mkdir(parents=True)
+        (base / f"job-{other.pid}" / PLAN_FILE).write_text(json.dumps({"needed": 1 << 60}))
+        monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(base / f"job-{os.getpid()}"))
+        state, model, optim = _state(0)
+        durable = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), async_save=False), state,
+                                    Heartbeat(None), rank=0, world_size=1, fingerprint={})
+        _train(state, model, optim)
+        durable.save_now()
+        durable.close()
+        state, model, optim = _state(1)
+        ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0),
+                                 state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+        events = []
+        ckpt._emit = lambda name, fields: events.append((name, fields))
         assert ckpt.restore() is not None and state.step == 1
+        for _ in range(2):
+            _train(state, model, optim)
+            ckpt.snapshot_if_due(final=False)
+        assert ckpt.snapshots is not None and ckpt.snapshots.last is None, "a snapshot that does not fit was taken"
+        assert [name for name, _ in events] == ["checkpoint_snapshot_failed"], "one event per stretch without room"
+        assert "other agents on this host plan" in events[0][1]["error"] and events[0][1]["retrying"]
+        assert not list(base.rglob("slot*.bin")), "nothing reserved in node RAM"
+        (base / f"job-{other.pid}" / PLAN_FILE).unlink()  # the other agent's slots went: room again
         _train(state, model, optim)
         ckpt.snapshot_if_due(final=False)
-        assert ckpt.snapshots is None, "snapshots that do not fit stayed on"
-        assert [name for name, _ in events] == ["checkpoint_snapshot_failed"]
-        assert "checkpoint.snapshot_memory allows 1000 bytes" in events[0][1]["error"]
-        _train(state, model, optim)
-        ckpt.snapshot_if_due(final=False)  # no second attempt, no error
-        assert not list((tmp_path / "shm").rglob("slot*.bin")), "nothing reserved in node RAM"
-    finally:
+        ckpt.snapshots.wait()
+        assert ckpt.snapshots.last.step == state.step == 4
+        assert events[-1] == ("checkpoint_snapshot_resumed", {"step": 4, "since": 2})
         ckpt.close()
+    finally:
+        other.kill()
+        other.wait()
