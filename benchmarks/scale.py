@@ -45,6 +45,9 @@ recomputed: steps an earlier group completed that the new one ran again; `tier`:
 after the newest durable checkpoint (a snapshot or its replica) or from it. Snapshot cost: median fault-free
 2-node step time of ours-snapshot over ours-durable, paired per trial (same size, storage, trial).
 Every process is stopped by PID; checkpoints and the jobs' /dev/shm snapshot folders are removed after each job.
+A job that did not start or ended in an error names the last ERROR line of each node's log; a job during which the
+kernel OOM-killed a process (two simulated 150M nodes with replicas fill a 24 GB host) lists the kills (`oom_kills`,
+from dmesg): such a kill looks like a fault to the job and is not one of ours.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -289,9 +293,46 @@ def rejoin_stall(done: list, since: float) -> Optional[float]:
     return round(done[first_two].time - done[first_two - 1].time, 3)
 
 
+_OOM_KILL = re.compile(r"^\[\s*(\d+\.\d+)\] Out of memory: Killed process (\d+) \(([^)]*)\)"
+                       r".*?anon-rss:(\d+)kB.*?shmem-rss:(\d+)kB", re.M)
+
+
+def oom_kills(since_boot_s: float) -> list[dict]:
+    """The kernel's OOM kills since `since_boot_s` (seconds since boot, CLOCK_BOOTTIME), from dmesg: a process
+    killed for memory looks like an injected fault to the job, and is not one. [] where dmesg cannot be read."""
+    try:
+        text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [{"at_boot_s": float(m[1]), "pid": int(m[2]), "name": m[3], "anon_rss_mb": int(m[4]) // 1024,
+             "shmem_rss_mb": int(m[5]) // 1024} for m in _OOM_KILL.finditer(text) if float(m[1]) >= since_boot_s]
+
+
+def _last_errors(job: "ScaleJob") -> str:
+    """The last ERROR line of each node's log (why a job did not start, or ended)."""
+    found = []
+    for n in job.nodes:
+        lines = [line for line in n.log().splitlines() if " ERROR " in line]
+        if lines:
+            found.append(f"{n.name}: {lines[-1][-400:]}")
+    return "; ".join(found)
+
+
 def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Server], args) -> dict:
     """Start the job (again, if it split into two 1-node jobs), then the faults of `args.faults` in turn."""
     out: dict = {"failed_starts": []}
+    booted = time.clock_gettime(time.CLOCK_BOOTTIME)
+    try:
+        return _run_job(config, size, work, endpoint, s3, args, out)
+    finally:
+        kills = oom_kills(booted)
+        if kills:
+            out["oom_kills"] = kills
+            print(f"the kernel killed {len(kills)} process(es) for memory during this job: {kills}",  # noqa: T201
+                  file=sys.stderr, flush=True)
+
+
+def _run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Server], args, out: dict) -> dict:
     for attempt in range(args.start_attempts):
         ours = CONFIGS[config][0] == "ours"
         job = ScaleJob(config, size, work / f"start-{attempt}", endpoint if ours else None, s3, args.confs,
@@ -300,7 +341,9 @@ def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Se
             job.start_both()
             if wait_steps(job, -1, WARMUP_STEPS, 2, args.start_timeout):
                 break
-            out["failed_starts"].append(f"not {WARMUP_STEPS} steps on 2 nodes within {args.start_timeout:.0f} s")
+            why = _last_errors(job)
+            out["failed_starts"].append(f"not {WARMUP_STEPS} steps on 2 nodes within {args.start_timeout:.0f} s"
+                                        + (f" ({why})" if why else ""))
         except AssertionError as e:
             out["failed_starts"].append(str(e))
         except BaseException:
@@ -308,7 +351,8 @@ def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Se
             raise
         job.clean()
     else:
-        return {**out, "error": "did not start"}
+        out["error"] = "did not start"
+        return out
     try:
         out["startup_s"] = round(job.watch.snapshot()[0].time - job.nodes[0].started, 2)
         for kind in args.faults:
@@ -327,7 +371,8 @@ def run_job(config: str, size: str, work: Path, endpoint: str, s3: Optional[S3Se
         out["step_s"] = None if step_s is None else round(step_s, 4)
         out["checkpoint_bytes"] = job.checkpoint_bytes()
     except Exception as e:  # one job's failure is its entry: an unattended run of hours goes on
-        out["error"] = f"{type(e).__name__}: {e}"
+        why = _last_errors(job)
+        out["error"] = f"{type(e).__name__}: {e}" + (f" ({why})" if why else "")
     finally:
         job.clean()
     return out
