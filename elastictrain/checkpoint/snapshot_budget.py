@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+import psutil
+
 from elastictrain.checkpoint.snapshot_folders import RUN_FOLDER, bytes_held, run_folders
 from elastictrain.config import DEFAULT_SNAPSHOT_FS_FRACTION, parse_memory_size
 from elastictrain.errors import ConfigError
@@ -139,16 +141,6 @@ def ram_available_bytes() -> Optional[int]:
     return free
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_plan(folder: Path) -> int:
     try:
         return int(json.loads((folder / PLAN_FILE).read_text())["needed"])
@@ -172,7 +164,7 @@ def other_agents(folder: Path) -> list[OtherAgent]:
     out = []
     for d in run_folders(folder.parent):
         m = RUN_FOLDER.match(d.name)
-        if d == folder or not m or not _pid_alive(int(m["pid"])):
+        if d == folder or not m or not psutil.pid_exists(int(m["pid"])):
             continue
         other = OtherAgent(path=d, planned=_read_plan(d), held=bytes_held(d))
         if other.claim:
