@@ -1,7 +1,8 @@
 """The snapshot tier's memory budget (`checkpoint.snapshot_memory`), checked once before a worker's first snapshot.
 
-A node whose snapshots cannot fit stops at start-up with one line that names the numbers and the fix, instead of
-filling /dev/shm in the middle of a run (where a full RAM file system only turns snapshots off) or pushing the node
+A node whose snapshots cannot fit stops at start-up (a job that has trained skips them and retries instead:
+runtime/checkpointing.py) with one line that names the numbers and the fix, instead of filling /dev/shm in the
+middle of a run (where a full RAM file system only turns snapshots off) or pushing the node
 into swap and the OOM killer. Plain arithmetic on sizes, `os.statvfs` and /proc/meminfo: no torch, so it is testable
 on its own.
 
@@ -281,7 +282,8 @@ def _plan(state_bytes_per_rank: int, local_ranks: int, budget: Union[int, float,
 class SnapshotRoomError(OSError):
     """The node's snapshots do not fit any more: a worker restarted or re-formed in place at a smaller world (each
     rank's share of the train state grew), or the host's memory filled. The job goes on with the durable tier
-    (`checkpoint_snapshot_failed`); stopping a job that has trained, as at a fresh start, would lose more."""
+    (`checkpoint_snapshot_failed`, then `checkpoint_snapshot_resumed` once they fit again); stopping a job that has
+    trained, as at a fresh start, would lose more."""
 
 
 def room_check(budget: Union[int, float, str, None], folder: Path, local_ranks: int,
@@ -289,7 +291,8 @@ def room_check(budget: Union[int, float, str, None], folder: Path, local_ranks: 
                ) -> Callable[[int], None]:
     """The check a `SnapshotStore` runs before it first reserves its slots (and when the state grows): raises
     `check_snapshot_budget`'s ConfigError when `fatal()` (a fresh start: the job stops with the message), else
-    `SnapshotRoomError` (snapshots turn off); logs the numbers once when they fit."""
+    `SnapshotRoomError` (the snapshot is skipped and the check tried again at the next one); logs the numbers once
+    when they fit."""
     def check(state_bytes_per_rank: int) -> None:
         try:
             plan = check_snapshot_budget(state_bytes_per_rank, local_ranks, budget, folder, replica, durable)

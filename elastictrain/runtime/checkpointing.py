@@ -102,10 +102,10 @@ class StateCheckpointer:
         self._hook: Optional[RemovableHandle] = None
         self._pacer: Optional[SnapshotPacer] = None
         self._fresh = state.step == 0
+        """A run from its start, nothing restored: snapshots that do not fit stop it (a ConfigError at start-up);
+        once it trained or resumed, they are skipped and retried instead (`_no_room`) and the durable tier goes on."""
         self._no_room_since: Optional[int] = None
         """The step from which this node's snapshots have not fit (`_no_room`), while they do not."""
-        """A run from its start, nothing restored: snapshots that do not fit stop it (a ConfigError at start-up);
-        once it trained or resumed, they turn off instead and the durable tier goes on."""
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
