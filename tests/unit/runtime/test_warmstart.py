@@ -1,6 +1,9 @@
-"""The spare worker's command parsing and rank lookup (runtime/warmstart.py)."""
+"""The spare worker (runtime/warmstart.py): its command parsing, rank lookup, and how it leaves after a script."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 
@@ -30,3 +33,53 @@ def test_rank_comes_from_the_environment_then_the_assignment_file(tmp_path):
         f.write("5")
     assert assigned_rank(42, env) == 5
     assert assigned_rank(42, {}) is None
+
+
+SCRIPT = """
+import atexit, json, os, sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+out = sys.argv[1]
+
+@atexit.register
+def report():
+    with open(out, "w") as f:
+        json.dump({{"group_alive_at_exit": dist.is_initialized()}}, f)
+
+how = sys.argv[2]
+if how == "exit2":
+    sys.exit(2)
+if how == "message":
+    sys.exit("bad input")
+if how == "raise":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize("how, code, stderr", [
+    ("exit2", 2, ""), ("message", 1, "bad input"), ("raise", 1, "RuntimeError: boom"), ("finish", 0, ""),
+])  # fmt: skip
+def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_its_atexit_run(
+        tmp_path, how, code, stderr):
+    """A plain torch script seldom destroys its process group; left to the interpreter's teardown, torch 2.13's gloo
+    group now and then aborts the process (SIGABRT instead of the script's code: a `sys.exit(2)` that was to end the
+    job became a restart). The spare destroys the groups first, runs the script's atexit handlers, and exits with
+    the code `python script.py` would give."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(port=port))
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "elastictrain.runtime.warmstart", str(script)], text=True,
+                          input=json.dumps({"env": dict(os.environ, ELASTICTRAIN_PREWARM="torch"),
+                                            "args": [str(script), str(report), how]}) + "\n",
+                          capture_output=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert stderr in proc.stderr and "terminate called" not in proc.stderr
+    assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
