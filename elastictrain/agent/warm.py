@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastictrain.runtime.exitcodes import EXIT_REFORM
+from elastictrain.runtime.warmstart import cold_command
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class WarmContext(SubprocessContext):
         """`elastic.in_place`: a failed worker's local peers stay up until the agent decides (torch stops them at
         once); the agent then replaces the failed ones (`replace`) or stops the rest (`close`)."""
 
+    def _cold(self, local_rank: int) -> tuple:
+        """A worker started cold (no spare left) runs through the spares' module all the same, to leave as they do:
+        its process groups destroyed before the interpreter's teardown (runtime/warmstart.py)."""
+        return tuple(cold_command([str(a) for a in self.args[local_rank]]))
+
     def _poll(self) -> Optional[RunProcsResult]:
         if not self.keep_survivors:
             return super()._poll()
@@ -68,7 +74,7 @@ class WarmContext(SubprocessContext):
         handler = self._pool.serve(local_rank, self.args[local_rank], full_env,
                                    str(stdout) if stdout else None, str(stderr) if stderr else None)
         if handler is None:
-            handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self.args[local_rank], env=full_env,
+            handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self._cold(local_rank), env=full_env,
                                              stdout=stdout, stderr=stderr, local_rank_id=local_rank,
                                              numa_options=self._numa_options)
         self.subprocess_handlers[local_rank] = handler
@@ -91,7 +97,7 @@ class WarmContext(SubprocessContext):
             handler = self._pool.serve(local_rank, self.args[local_rank], self.envs[local_rank],
                                        str(stdout) if stdout else None, str(stderr) if stderr else None)
             if handler is None:
-                handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self.args[local_rank],
+                handler = get_subprocess_handler(entrypoint=self.entrypoint, args=self._cold(local_rank),
                                                  env=self.envs[local_rank], stdout=stdout, stderr=stderr,
                                                  local_rank_id=local_rank, numa_options=self._numa_options)
             handlers[local_rank] = handler

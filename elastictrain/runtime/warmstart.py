@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 ENV_WARM_DIR = "ELASTICTRAIN_WARM_DIR"
 ENV_PREWARM = "ELASTICTRAIN_PREWARM"
 MODULE = "elastictrain.runtime.warmstart"
+RUN_NOW = "--run-now"
+"""First argument of a worker started cold through this module (`cold_command`): run the command that follows."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,12 @@ def _path_as_python_sets_it(target: Target) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parent = os.getppid()
     die_with_parent(parent)
-    target = parse_command(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [RUN_NOW]:  # a worker started cold: no assignment to wait for, the environment is its own
+        work = parse_command(argv[1:])
+        _path_as_python_sets_it(work)
+        return _run(work)
+    target = parse_command(argv)
     _path_as_python_sets_it(target)
     _prewarm(target, [m for m in os.environ.get(ENV_PREWARM, "").split(",") if m])
     warm_dir = os.environ.get(ENV_WARM_DIR)
@@ -172,6 +179,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = parse_command(assignment["args"])
     _path_as_python_sets_it(work)
     _become(assignment)
+    return _run(work)
+
+
+def cold_command(args: Sequence[str]) -> list[str]:
+    """The arguments (after the interpreter) that start a worker cold through this module, so that it leaves as a
+    spare does (`release_process_groups`): `[-u] -m warmstart --run-now <the worker's own command>`. A command
+    with other interpreter options (`-c code`, `-W arg`: this module's parsing does not know their arguments) is
+    left as it is."""
+    args = [str(a) for a in args]
+    lead = next((i for i, a in enumerate(args) if not a.startswith("-") or a == "-m"), len(args))
+    if any(a != "-u" for a in args[:lead]) or lead == len(args):
+        return args
+    return [*args[:lead], "-m", MODULE, RUN_NOW, *args]
+
+
+def _run(work: Target) -> int:
+    """Run the worker's module or script as `__main__`, then leave as `python` would, its process groups released
+    first (a failed script at once, with its exit code)."""
     try:
         if work.module is not None:
             sys.argv = [work.module, *work.argv]
@@ -190,9 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         code = 0
     release_process_groups(failed=code != 0)
-    if code:
-        _leave(code)
-    return 0
+    _leave(code)
+    return code
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -206,19 +230,23 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def _leave(code: int) -> None:
-    """A failed script's exit, at once: its atexit handlers run and the streams are flushed, but not the
-    interpreter's teardown of torch's objects (seconds: meanwhile a peer that saw this rank's groups close exits
-    first, and its agent, stopping this process, records SIGTERM instead of this exit code, e.g. a `sys.exit(2)`
-    that was to end the job)."""
+    """The script's exit, at once: its atexit handlers run and every file it left open is flushed, but not the
+    interpreter's teardown of torch's objects. That teardown aborted now and then with torch 2.13 even after the
+    script destroyed its group itself (a TCPStore client: SIGABRT for a script that had finished, CI), and it takes
+    seconds: meanwhile a peer that saw this rank's groups close exits first, and its agent, stopping this process,
+    records SIGTERM instead of this exit code (a `sys.exit(2)` that was to end the job)."""
     import atexit
+    import gc
+    import io
 
     atexit._run_exitfuncs()
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
+    for obj in gc.get_objects():  # what the teardown would have flushed: files the script never closed
         try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+            if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:  # noqa: BLE001, S112 - a stream that cannot flush now would not at teardown either
+            continue
     os._exit(code)
 
 

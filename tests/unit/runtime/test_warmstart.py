@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 out = sys.argv[1]
+left_open = open(out + ".log", "w")  # never closed: the interpreter's teardown would flush it
+left_open.write("written, never closed")
 
 @atexit.register
 def report():
@@ -82,4 +84,31 @@ def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_i
                           capture_output=True, timeout=120)
     assert proc.returncode == code, proc.stderr[-3000:]
     assert stderr in proc.stderr and "terminate called" not in proc.stderr
+    assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
+    assert (tmp_path / "report.json.log").read_text() == "written, never closed"
+
+
+def test_a_worker_started_cold_runs_through_the_spares_module_and_leaves_as_a_spare_does(tmp_path):
+    """With no spare left, a worker starts cold as `python [flags] -m warmstart --run-now <its command>`: the same
+    exit handling (its groups destroyed, its code kept), without waiting for an assignment."""
+    import socket
+    import subprocess
+    import sys
+
+    from elastictrain.runtime.warmstart import cold_command
+
+    assert cold_command(["-u", "train.py", "--x", "1"]) == ["-u", "-m", "elastictrain.runtime.warmstart",
+                                                            "--run-now", "-u", "train.py", "--x", "1"]
+    assert cold_command(["-m", "pkg.mod"]) == ["-m", "elastictrain.runtime.warmstart", "--run-now", "-m", "pkg.mod"]
+    for as_is in (["-c", "print(1)"], ["-W", "ignore", "train.py"], ["-u"]):
+        assert cold_command(as_is) == as_is  # options whose arguments this module's parsing does not know
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(port=port))
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, *cold_command([str(script), str(report), "exit2"])], text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
