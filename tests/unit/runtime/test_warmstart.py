@@ -59,6 +59,18 @@ if how == "raise":
 """
 
 
+def _script(tmp_path):
+    """The script above, on a free loopback port, and the file its atexit handler writes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(port=port))
+    return script, tmp_path / "report.json"
+
+
 @pytest.mark.parametrize("how, code, stderr", [
     ("exit2", 2, ""), ("message", 1, "bad input"), ("raise", 1, "RuntimeError: boom"), ("finish", 0, ""),
 ])  # fmt: skip
@@ -68,16 +80,10 @@ def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_i
     group now and then aborts the process (SIGABRT instead of the script's code: a `sys.exit(2)` that was to end the
     job became a restart). The spare destroys the groups first, runs the script's atexit handlers, and exits with
     the code `python script.py` would give."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(port=port))
-    report = tmp_path / "report.json"
+    script, report = _script(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "elastictrain.runtime.warmstart", str(script)], text=True,
                           input=json.dumps({"env": dict(os.environ, ELASTICTRAIN_PREWARM="torch"),
                                             "args": [str(script), str(report), how]}) + "\n",
@@ -91,7 +97,6 @@ def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_i
 def test_a_worker_started_cold_runs_through_the_spares_module_and_leaves_as_a_spare_does(tmp_path):
     """With no spare left, a worker starts cold as `python [flags] -m warmstart --run-now <its command>`: the same
     exit handling (its groups destroyed, its code kept), without waiting for an assignment."""
-    import socket
     import subprocess
     import sys
 
@@ -102,12 +107,7 @@ def test_a_worker_started_cold_runs_through_the_spares_module_and_leaves_as_a_sp
     assert cold_command(["-m", "pkg.mod"]) == ["-m", "elastictrain.runtime.warmstart", "--run-now", "-m", "pkg.mod"]
     for as_is in (["-c", "print(1)"], ["-W", "ignore", "train.py"], ["-u"]):
         assert cold_command(as_is) == as_is  # options whose arguments this module's parsing does not know
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(port=port))
-    report = tmp_path / "report.json"
+    script, report = _script(tmp_path)
     proc = subprocess.run([sys.executable, *cold_command([str(script), str(report), "exit2"])], text=True,
                           capture_output=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
