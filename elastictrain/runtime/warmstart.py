@@ -230,15 +230,20 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def _leave(code: int) -> None:
-    """The script's exit, at once: its atexit handlers run and every file it left open is flushed, but not the
-    interpreter's teardown of torch's objects. That teardown aborted now and then with torch 2.13 even after the
-    script destroyed its group itself (a TCPStore client: SIGABRT for a script that had finished, CI), and it takes
-    seconds: meanwhile a peer that saw this rank's groups close exits first, and its agent, stopping this process,
+    """The script's exit, at once: as the interpreter's, it waits for the script's non-daemon threads, runs its
+    atexit handlers and flushes every file it left open, but skips its teardown of torch's objects. That teardown
+    aborted now and then with torch 2.13 even after the script destroyed its group itself (a TCPStore client:
+    SIGABRT for a script that had finished, CI), and it takes seconds: meanwhile a peer that saw this rank's groups close exits first, and its agent, stopping this process,
     records SIGTERM instead of this exit code (a `sys.exit(2)` that was to end the job)."""
     import atexit
     import gc
     import io
+    import threading
 
+    try:  # as the interpreter does first: wait for the script's non-daemon threads (executors shut down first)
+        threading._shutdown()  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 - a private helper of the interpreter's own exit
+        log.debug("waiting for the script's threads at exit: %s", e)
     atexit._run_exitfuncs()
     logging.shutdown()
     for obj in gc.get_objects():  # what the teardown would have flushed: files the script never closed

@@ -36,13 +36,24 @@ def test_rank_comes_from_the_environment_then_the_assignment_file(tmp_path):
 
 
 SCRIPT = """
-import atexit, json, os, sys
+import atexit, concurrent.futures, json, os, sys, threading
 import torch.distributed as dist
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 out = sys.argv[1]
 left_open = open(out + ".log", "w")  # never closed: the interpreter's teardown would flush it
 left_open.write("written, never closed")
+
+
+def late():  # a non-daemon thread the interpreter waits for at exit
+    import time
+    time.sleep(0.3)
+    with open(out + ".thread", "w") as f:
+        f.write("done")
+
+
+threading.Thread(target=late).start()
+concurrent.futures.ThreadPoolExecutor(1).submit(lambda: None)  # never shut down: its idle worker must not hold the exit
 
 @atexit.register
 def report():
@@ -92,6 +103,7 @@ def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_i
     assert stderr in proc.stderr and "terminate called" not in proc.stderr
     assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
     assert (tmp_path / "report.json.log").read_text() == "written, never closed"
+    assert (tmp_path / "report.json.thread").read_text() == "done"
 
 
 def test_a_worker_started_cold_runs_through_the_spares_module_and_leaves_as_a_spare_does(tmp_path):
