@@ -234,7 +234,8 @@ def _leave(code: int) -> None:
     atexit handlers and flushes every file it left open, but skips its teardown of torch's objects. That teardown
     aborted now and then with torch 2.13 even after the script destroyed its group itself (a TCPStore client:
     SIGABRT for a script that had finished, CI), and it takes seconds: meanwhile a peer that saw this rank's groups
-    close exits first, and its agent, stopping this process, records SIGTERM instead of this exit code (a `sys.exit(2)` that was to end the job)."""
+    close exits first, and its agent, stopping this process, records SIGTERM instead of this exit code (a
+    `sys.exit(2)` that was to end the job)."""
     import atexit
     import gc
     import io
