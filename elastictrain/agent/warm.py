@@ -9,6 +9,7 @@ it calls: the two modules do not import each other.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -34,6 +35,16 @@ class SpareSource(Protocol):
         """Start one worker from a spare: a stand-in for torch's SubprocessHandler, or None to start it cold."""
 
 
+def cold_args(entrypoint: Any, args: tuple) -> tuple:
+    """The arguments of a worker started cold (no spare left): through the spares' module all the same, to leave as
+    they do, its process groups destroyed before the interpreter's teardown (runtime/warmstart.py). Only under a
+    Python interpreter: another entrypoint (a binary) starts as it is."""
+    as_text = [str(a) for a in args]
+    if not os.path.basename(str(entrypoint)).startswith("python"):
+        return tuple(as_text)
+    return tuple(cold_command(as_text))
+
+
 class WarmContext(SubprocessContext):
     """torch's SubprocessContext whose processes come from a pool of spares where it can.
 
@@ -52,9 +63,7 @@ class WarmContext(SubprocessContext):
         once); the agent then replaces the failed ones (`replace`) or stops the rest (`close`)."""
 
     def _cold(self, local_rank: int) -> tuple:
-        """A worker started cold (no spare left) runs through the spares' module all the same, to leave as they do:
-        its process groups destroyed before the interpreter's teardown (runtime/warmstart.py)."""
-        return tuple(cold_command([str(a) for a in self.args[local_rank]]))
+        return cold_args(self.entrypoint, self.args[local_rank])
 
     def _poll(self) -> Optional[RunProcsResult]:
         if not self.keep_survivors:

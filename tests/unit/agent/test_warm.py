@@ -41,3 +41,11 @@ def test_a_start_that_bypassed_the_pool_is_logged(caplog):
         with torch_starts_workers_with(lambda **kw: None):
             pass
     assert "spares and the fast stop of a crashed group are off" in caplog.text
+
+
+def test_a_worker_started_cold_runs_through_the_spares_module_only_under_python():
+    from elastictrain.agent.warm import cold_args
+
+    assert cold_args("/usr/bin/python3.11", ("-u", "train.py", "--x")) == (
+        "-u", "-m", "elastictrain.runtime.warmstart", "--run-now", "-u", "train.py", "--x")
+    assert cold_args("/opt/bin/trainer", ("--steps", "3")) == ("--steps", "3")  # a binary starts as it is
