@@ -104,25 +104,19 @@ def ram_per_state_gb(nodes: int = 1, replica: bool = False, durable: bool = Fals
     return snapshot_bytes_needed(1, 1, replica, durable) / nodes
 
 
-def host_memory_bytes() -> int:
-    """The node's RAM, or the container's memory limit when lower (pages of a RAM file system count against it)."""
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in _CGROUP_LIMITS:
-        try:
-            limit = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit():  # "max" (v2) or a huge number (v1) when unlimited
-            ram = min(ram, int(limit))
-    return ram
-
-
 def _read_int(path: str) -> Optional[int]:
     try:
         text = Path(path).read_text().strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def host_memory_bytes() -> int:
+    """The node's RAM, or the container's memory limit when lower (pages of a RAM file system count against it)."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limits = [_read_int(path) for path in _CGROUP_LIMITS]  # None for "max" (v2); v1's unlimited is a huge number
+    return min([ram, *(limit for limit in limits if limit is not None)])
 
 
 def ram_available_bytes() -> Optional[int]:
