@@ -184,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def cold_command(args: Sequence[str]) -> list[str]:
     """The arguments (after the interpreter) that start a worker cold through this module, so that it leaves as a
-    spare does (`release_process_groups`): `[-u] -m warmstart --run-now <the worker's own command>`. A command
+    spare does (`_leave`): `[-u] -m warmstart --run-now <the worker's own command>`. A command
     with other interpreter options (`-c code`, `-W arg`: this module's parsing does not know their arguments) is
     left as it is."""
     args = [str(a) for a in args]
@@ -195,8 +195,8 @@ def cold_command(args: Sequence[str]) -> list[str]:
 
 
 def _run(work: Target) -> int:
-    """Run the worker's module or script as `__main__`, then leave as `python` would, its process groups released
-    first (a failed script at once, with its exit code)."""
+    """Run the worker's module or script as `__main__`, then leave as `python` would (`_leave`), with its exit code;
+    a failed script's process groups are aborted first."""
     try:
         if work.module is not None:
             sys.argv = [work.module, *work.argv]
@@ -214,7 +214,8 @@ def _run(work: Target) -> int:
         code = 1
     else:
         code = 0
-    release_process_groups(failed=code != 0)
+    if code != 0:
+        abort_process_groups()
     _leave(code)
     return code
 
@@ -230,12 +231,14 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def _leave(code: int) -> None:
-    """The script's exit, at once: as the interpreter's, it waits for the script's non-daemon threads, runs its
-    atexit handlers and flushes every file it left open, but skips its teardown of torch's objects. That teardown
-    aborted now and then with torch 2.13 even after the script destroyed its group itself (a TCPStore client:
-    SIGABRT for a script that had finished, CI), and it takes seconds: meanwhile a peer that saw this rank's groups
-    close exits first, and its agent, stopping this process, records SIGTERM instead of this exit code (a
-    `sys.exit(2)` that was to end the job)."""
+    """The script's exit, at once, in the interpreter's order: it waits for the script's non-daemon threads, runs
+    its atexit handlers (the script's process groups still there, as under `python script.py`: a handler may use or
+    destroy them) and flushes every file it left open; then it destroys the groups the script left and exits,
+    skipping the interpreter's teardown of torch's objects. That teardown aborted now and then with torch 2.13, with
+    a gloo group alive and even after the script destroyed its group itself (a TCPStore client: SIGABRT for a
+    script that had finished, CI), and it takes seconds: meanwhile a peer that saw this rank's groups close exits
+    first, and its agent, stopping this process, records SIGTERM instead of this exit code (a `sys.exit(2)` that
+    was to end the job)."""
     import atexit
     import gc
     import io
@@ -246,35 +249,52 @@ def _leave(code: int) -> None:
     except Exception as e:  # noqa: BLE001 - a private helper of the interpreter's own exit
         log.debug("waiting for the script's threads at exit: %s", e)
     atexit._run_exitfuncs()
-    logging.shutdown()
     for obj in gc.get_objects():  # what the teardown would have flushed: files the script never closed
         try:
             if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
                 obj.flush()
         except Exception:  # noqa: BLE001, S112 - a stream that cannot flush now would not at teardown either
             continue
+    destroy_process_groups()
+    logging.shutdown()
     os._exit(code)
 
 
-def release_process_groups(failed: bool) -> None:
-    """Destroy the process groups a script left (a plain torch script seldom destroys its own) before the
-    interpreter's teardown does: with torch 2.13, a process that exits with a gloo group alive now and then aborts
-    in that teardown ("terminate called without an active exception"), and its agent sees SIGABRT instead of the
-    script's exit code: a `sys.exit(2)` (stop the job) became a restart. Reproduced with two plain gloo processes:
-    2 of 12 exits aborted, 0 of 12 after a destroy. After a failure the groups are aborted first, so that a
-    collective still pending (a peer that never answers, on NCCL) cannot hold the destroy."""
+def _groups() -> Any:
+    """torch.distributed if the script initialised a process group that is still there, else None."""
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return
-        if failed:
-            from torch.distributed import distributed_c10d as c10d
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a half-imported torch at exit
+        return None
 
-            for pg in list(c10d._world.pg_map):
-                try:
-                    pg.abort()
-                except Exception as e:  # noqa: BLE001 - a backend without abort
-                    log.debug("abort of a process group at exit: %s", e)
+
+def abort_process_groups() -> None:
+    """After a failed script, before anything else waits at its exit: abort the groups it left, so that a collective
+    still pending (one of its threads, a peer that never answers, on NCCL) returns at once instead of holding the
+    exit; the groups are destroyed at the end of `_leave`."""
+    dist = _groups()
+    if dist is None:
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        try:
+            pg.abort()
+        except Exception as e:  # noqa: BLE001 - a backend without abort
+            log.debug("abort of a process group at exit: %s", e)
+
+
+def destroy_process_groups() -> None:
+    """Destroy the process groups a script left (a plain torch script seldom destroys its own) before the process
+    exits: with torch 2.13, a process that exits with a gloo group alive now and then aborts in the interpreter's
+    teardown ("terminate called without an active exception"), and its agent sees SIGABRT instead of the script's
+    exit code: a `sys.exit(2)` (stop the job) became a restart. Reproduced with two plain gloo processes: 2 of 12
+    exits aborted, 0 of 12 after a destroy."""
+    dist = _groups()
+    if dist is None:
+        return
+    try:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - leaving anyway: the exit code matters more
         log.debug("could not destroy the process groups at exit: %s", e)

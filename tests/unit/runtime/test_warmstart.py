@@ -56,9 +56,12 @@ threading.Thread(target=late).start()
 concurrent.futures.ThreadPoolExecutor(1).submit(lambda: None)  # never shut down: its idle worker must not hold the exit
 
 @atexit.register
-def report():
+def report():  # as under `python script.py`, the group is still there for the script's own exit handlers
+    alive = dist.is_initialized()
+    if alive:
+        dist.destroy_process_group()
     with open(out, "w") as f:
-        json.dump({{"group_alive_at_exit": dist.is_initialized()}}, f)
+        json.dump({{"group_alive_at_exit": alive}}, f)
 
 how = sys.argv[2]
 if how == "exit2":
@@ -85,12 +88,13 @@ def _script(tmp_path):
 @pytest.mark.parametrize("how, code, stderr", [
     ("exit2", 2, ""), ("message", 1, "bad input"), ("raise", 1, "RuntimeError: boom"), ("finish", 0, ""),
 ])  # fmt: skip
-def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_its_atexit_run(
+def test_a_spare_running_a_script_exits_with_its_code_its_atexit_run_and_its_groups_destroyed(
         tmp_path, how, code, stderr):
     """A plain torch script seldom destroys its process group; left to the interpreter's teardown, torch 2.13's gloo
     group now and then aborts the process (SIGABRT instead of the script's code: a `sys.exit(2)` that was to end the
-    job became a restart). The spare destroys the groups first, runs the script's atexit handlers, and exits with
-    the code `python script.py` would give."""
+    job became a restart). The spare waits for the script's threads, runs its atexit handlers with its group still
+    there (one that destroys the group itself raises nothing), destroys what is left and exits with the code
+    `python script.py` would give."""
     import subprocess
     import sys
 
@@ -100,8 +104,8 @@ def test_a_spare_running_a_script_exits_with_its_code_its_groups_destroyed_and_i
                                             "args": [str(script), str(report), how]}) + "\n",
                           capture_output=True, timeout=120)
     assert proc.returncode == code, proc.stderr[-3000:]
-    assert stderr in proc.stderr and "terminate called" not in proc.stderr
-    assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
+    assert stderr in proc.stderr and "terminate called" not in proc.stderr and "atexit" not in proc.stderr
+    assert json.loads(report.read_text()) == {"group_alive_at_exit": True}
     assert (tmp_path / "report.json.log").read_text() == "written, never closed"
     assert (tmp_path / "report.json.thread").read_text() == "done"
 
@@ -123,4 +127,28 @@ def test_a_worker_started_cold_runs_through_the_spares_module_and_leaves_as_a_sp
     proc = subprocess.run([sys.executable, *cold_command([str(script), str(report), "exit2"])], text=True,
                           capture_output=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert json.loads(report.read_text()) == {"group_alive_at_exit": False}
+    assert json.loads(report.read_text()) == {"group_alive_at_exit": True}
+
+
+def test_groups_a_script_left_are_aborted_after_a_failure_and_destroyed_before_the_exit(tmp_path):
+    """What `_leave` does with the groups the script did not destroy: after a failure they are aborted at once (a
+    collective still pending returns; the group stays for the script's atexit handlers to destroy), and at the end
+    destroyed (torch's teardown then has none to abort on)."""
+    import subprocess
+    import sys
+
+    code = """
+import socket, sys
+import torch.distributed as dist
+from elastictrain.runtime.warmstart import abort_process_groups, destroy_process_groups
+destroy_process_groups()  # nothing to do: no group yet
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+abort_process_groups()
+print("aborted, initialized:", dist.is_initialized())
+destroy_process_groups()
+print("initialized after:", dist.is_initialized())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["aborted, initialized: True", "initialized after: False"], proc.stdout
