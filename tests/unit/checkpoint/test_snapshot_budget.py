@@ -188,3 +188,66 @@ def test_slots_another_agent_planned_but_has_not_written_count_against_the_hosts
     assert "of memory free for the" in msg and "MemAvailable, less what other agents planned" in msg
     assert "free memory on the host" in msg and first.name in msg and "\n" not in msg
     assert not (second / PLAN_FILE).exists()  # a node that does not fit claims nothing
+
+
+CHECKER = """
+import sys
+from pathlib import Path
+from elastictrain.checkpoint import snapshot_budget
+from elastictrain.errors import ConfigError
+snapshot_budget.ram_available_bytes = lambda: 1 << 60  # the file system's share is the subject here
+folder = Path(sys.argv[1]) / f"job-{__import__('os').getpid()}"
+folder.mkdir(parents=True)
+print("ready", flush=True)
+try:
+    snapshot_budget.check_snapshot_budget(int(sys.argv[2]), local_ranks=1, budget=None, folder=folder, replica=False)
+    print("fits", flush=True)
+except ConfigError as e:
+    print("refused", e, flush=True)
+sys.stdin.readline()  # an agent stays alive while its job runs: its plan counts for the others until then
+"""
+
+
+def test_two_agents_checking_at_once_take_turns_so_only_one_claims_the_share(shm_dir):
+    """Two agents starting together (the nodes of one host, two jobs) each check their snapshots against the
+    default budget they share: under the lock on the snapshot base one checks after the other and sees its plan, so
+    exactly one of two nodes that fit only alone goes on. Real processes; while the lock is held (here by the test,
+    as by an agent mid-check) neither gets past it."""
+    import fcntl
+    import sys
+    import time
+
+    base = shm_dir / "elastictrain-snapshots"
+    base.mkdir()
+    fs = os.statvfs(shm_dir)
+    per_rank = fs.f_blocks * fs.f_frsize // 2 * 6 // 10 // 2
+    if fs.f_bavail * fs.f_frsize < 4 * per_rank:
+        pytest.skip("/dev/shm is more than half full")
+    fd = os.open(base / snapshot_budget._LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    procs = []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-c", CHECKER, str(base), str(per_rank)], text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(2)]
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n", p.stderr.read() if p.stderr else ""
+        time.sleep(1.0)
+        assert [p.poll() for p in procs] == [None, None]  # both wait for the lock
+        assert not list(base.glob(f"*/{PLAN_FILE}"))
+        os.close(fd)  # releases the lock: the two race for it
+        fd = -1
+        outs = [p.stdout.readline() for p in procs if p.stdout is not None]  # both checked, both still alive
+        for p in procs:
+            p.communicate("\n", timeout=120)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sorted(o.split()[0] for o in outs) == ["fits", "refused"], outs
+    refused = next(o for o in outs if o.startswith("refused"))
+    assert "1 other agent(s) on this host" in refused
+    assert len(list(base.glob(f"*/{PLAN_FILE}"))) == 1  # only the node that fits claims its share
