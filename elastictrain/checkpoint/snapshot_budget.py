@@ -136,7 +136,8 @@ def ram_available_bytes() -> Optional[int]:
     return free
 
 
-def _read_plan(folder: Path) -> int:
+def read_plan(folder: Path) -> int:
+    """What the agent of run folder `folder` last planned for its node's snapshots (`PLAN_FILE`), 0 if nothing."""
     try:
         return int(json.loads((folder / PLAN_FILE).read_text())["needed"])
     except (OSError, ValueError, TypeError, KeyError):
@@ -161,7 +162,7 @@ def other_agents(folder: Path) -> list[OtherAgent]:
         m = RUN_FOLDER.match(d.name)
         if d == folder or not m or not psutil.pid_exists(int(m["pid"])):
             continue
-        other = OtherAgent(path=d, planned=_read_plan(d), held=bytes_held(d))
+        other = OtherAgent(path=d, planned=read_plan(d), held=bytes_held(d))
         if other.claim:
             out.append(other)
     return out

@@ -213,7 +213,10 @@ def _snapshot_table(tier: dict[str, Any], url: str) -> str:
     head = f"in-memory snapshots on this node ({tier['base']})"
     if not rows:
         return f"{head}: none\n"
-    return f"{head}\n" + table(["FOLDER", "AGENT", "RANK", "STEP", "WORLD", "SIZE", "NOTE"], rows)
+    memory = "".join(f"{Path(f['folder']).name}: holds {human_bytes(f['held_bytes'])}, planned "
+                     f"{'-' if f['planned_bytes'] is None else human_bytes(f['planned_bytes'])} (its last budget "
+                     f"check: own slots and a peer's replicas)\n" for f in tier["folders"])
+    return f"{head}\n" + table(["FOLDER", "AGENT", "RANK", "STEP", "WORLD", "SIZE", "NOTE"], rows) + memory
 
 
 def _durable(storage: Storage, tolerate_none: bool) -> tuple[list[CheckpointInfo], Optional[str]]:

@@ -1,5 +1,6 @@
 """What `elastictrain ckpt ls` shows of the snapshot tier: this node's run folders, per rank the committed snapshots
-(step, size, world size) and whether the agent that owns the folder is alive.
+(step, size, world size) and whether the agent that owns the folder is alive; per folder the memory its node's
+snapshots were last checked to need (`budget.json`: own slots and a peer's replicas) and the bytes it holds.
 
 Read from the slots' JSON commit markers only (checkpoint/snapshot_folders.py): no torch, no snapshot data read.
 A folder whose agent is gone holds nothing a restart can use (the next agent on this node removes it).
@@ -11,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from elastictrain.checkpoint.snapshot_folders import CommittedSnapshot, RunFolder, list_run_folders
+from elastictrain.checkpoint.snapshot_budget import read_plan
+from elastictrain.checkpoint.snapshot_folders import CommittedSnapshot, RunFolder, bytes_held, list_run_folders
 from elastictrain.runtime.heartbeat import pid_alive
 
 
@@ -39,7 +41,8 @@ def _folder(f: RunFolder, url: Optional[str]) -> Optional[dict[str, Any]]:
     if not ranks and url is not None:
         return None
     return {"folder": str(f.path), "run": f.run, "agent_pid": f.agent_pid,
-            "agent_alive": f.agent_pid is not None and pid_alive(f.agent_pid), "ranks": ranks}
+            "agent_alive": f.agent_pid is not None and pid_alive(f.agent_pid), "ranks": ranks,
+            "planned_bytes": read_plan(f.path) or None, "held_bytes": bytes_held(f.path)}
 
 
 def snapshot_tier(base: Path, url: Optional[str]) -> dict[str, Any]:

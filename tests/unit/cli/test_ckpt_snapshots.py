@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.checkpoint.snapshot_budget import PLAN_FILE, check_snapshot_budget
+from elastictrain.checkpoint.snapshot_folders import bytes_held
 from elastictrain.checkpoint.storage import open_storage
 from elastictrain.cli.ckpt import human_bytes
 from elastictrain.cli.main import main
@@ -63,8 +65,12 @@ def test_ls_adds_the_jobs_snapshots_per_rank_with_steps_sizes_and_a_live_agent(c
     assert lines[1].split() == ["FOLDER", "AGENT", "RANK", "STEP", "WORLD", "SIZE", "NOTE"]
     size = human_bytes(STATE_BYTES).split()
     me = [f"job-{os.getpid()}", str(os.getpid()), "alive"]
-    assert [ln.split() for ln in lines[2:]] == [[*me, "0", "7", "2", *size], [*me, "0", "6", "2", *size],
-                                                [*me, "1", "7", "2", *size], [*me, "1", "6", "2", *size]]
+    assert [ln.split() for ln in lines[2:-1]] == [[*me, "0", "7", "2", *size], [*me, "0", "6", "2", *size],
+                                                  [*me, "1", "7", "2", *size], [*me, "1", "6", "2", *size]]
+    # The node's memory: what its folder holds, and what its last budget check planned (none ran here).
+    held = bytes_held(base / f"job-{os.getpid()}")
+    assert held >= 4 * STATE_BYTES
+    assert lines[-1].startswith(f"job-{os.getpid()}: holds {human_bytes(held)}, planned - (its last budget check")
 
 
 def test_ls_json_gives_each_ranks_committed_steps_bytes_and_a_dead_agent(capsys, tmp_path, base):
@@ -81,6 +87,25 @@ def test_ls_json_gives_each_ranks_committed_steps_bytes_and_a_dead_agent(capsys,
     assert (f["folder"], f["run"], f["agent_pid"], f["agent_alive"]) == (str(folder), "job", pid, False)
     held = {r["rank"]: [(s["step"], s["bytes"], s["world_size"]) for s in r["snapshots"]] for r in f["ranks"]}
     assert held == {0: [(3, STATE_BYTES, 2), (2, STATE_BYTES, 2)], 1: [(2, STATE_BYTES, 2)]}
+    assert f["planned_bytes"] is None and f["held_bytes"] == bytes_held(folder)
+
+
+def test_ls_shows_what_each_agents_budget_check_planned_for_its_node(capsys, tmp_path, base):
+    """Several agents on one host share the snapshot budget (checkpoint/snapshot_budget.py): `ckpt ls` shows, per
+    folder, what its last check planned (own slots and a peer's replicas) beside what it holds, the numbers a
+    refused node's message compares."""
+    root = tmp_path / "ckpts"
+    folder = base / f"job-{os.getpid()}"
+    write_snapshots(folder, str(root), ranks=1, steps=range(1, 3))
+    plan = check_snapshot_budget(STATE_BYTES, local_ranks=1, budget="1MiB", folder=folder, replica=True)
+    assert json.loads((folder / PLAN_FILE).read_text()) == {"needed": plan.needed}
+    rc, out, _ = ls(capsys, str(root), "--snapshot-base", str(base), "--json")
+    assert rc == 0
+    (f,) = json.loads(out)["snapshots"]["folders"]
+    assert f["planned_bytes"] == plan.needed and f["held_bytes"] == bytes_held(folder)
+    rc, out, _ = ls(capsys, str(root), "--snapshot-base", str(base))
+    assert out.splitlines()[-1].startswith(f"job-{os.getpid()}: holds {human_bytes(bytes_held(folder))}, planned "
+                                           f"{human_bytes(plan.needed)} ")
 
 
 def test_only_the_jobs_snapshots_show_unless_asked_for_every_folder(capsys, tmp_path, base):
@@ -92,7 +117,8 @@ def test_only_the_jobs_snapshots_show_unless_asked_for_every_folder(capsys, tmp_
     assert rc == 0 and "in-memory snapshots" not in out
     rc, out, _ = ls(capsys, str(root), "--snapshot-base", str(base), "--snapshots")
     rows = [ln.split() for ln in out.split("\n\n")[1].splitlines()[2:]]
-    assert [r[0] for r in rows] == [f"fresh-{os.getpid()}", f"other-{os.getpid()}", f"other-{os.getpid()}"]
+    assert [r[0] for r in rows] == [f"fresh-{os.getpid()}", f"other-{os.getpid()}", f"other-{os.getpid()}",
+                                    f"fresh-{os.getpid()}:", f"other-{os.getpid()}:"]  # then each one's memory
     assert rows[0][1:] == [str(os.getpid()), "alive", "0", "-", "-", "-", "nothing", "committed"]
     assert rows[1][3:5] == ["0", "2"] and rows[1][-3:] == ["job", "of", other]
     rc, out, _ = ls(capsys, str(root), "--snapshot-base", str(tmp_path / "none"), "--snapshots")
