@@ -4,6 +4,7 @@ newest snapshot. A mixin of `StepLoop` (runtime/steps.py), whose state it uses."
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -63,6 +64,7 @@ class InPlaceLoop:
         old = self.state.model
         self.state.model = self.state.optim = None  # the old shards go before the new ones are allocated
         del old
+        gc.collect()  # FSDP's modules hold their parameters in reference cycles: without it they stay till later
         new = self._rebuild()
         if not isinstance(new, TrainState):
             raise ConfigError(f"Worker.steps(rebuild=...) returned {type(new).__name__}; return a TrainState with the "

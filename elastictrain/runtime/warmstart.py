@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from elastictrain.runtime.allocator import tune_malloc
 from elastictrain.runtime.heartbeat import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ def cold_command(args: Sequence[str]) -> list[str]:
 def _run(work: Target) -> int:
     """Run the worker's module or script as `__main__`, then leave as `python` would (`_leave`), with its exit code;
     a failed script's process groups are aborted first."""
+    tune_malloc()  # elastic.worker_malloc, as the agent set it in the environment the worker took
     try:
         if work.module is not None:
             sys.argv = [work.module, *work.argv]
