@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastictrain.testing.ranks import run_ranks
+from elastictrain.testing.ranks import run_worker_script, worker_entry
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -102,25 +101,14 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(size: str, mode: str, world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix=f"allocator-{size}-{mode}-"))
-    (work / "args.json").write_text(json.dumps({"size": size, "steps": steps}))
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "ELASTICTRAIN_WORKER_MALLOC": mode}
-    port = _free_port()
-    codes = run_ranks(lambda r: [sys.executable, __file__, "--worker", str(r), str(world), str(port),
-                                 str(work / "args.json")], world, work, timeout, env=env, cwd=REPO)
-    for r, code in enumerate(codes):
-        if code != 0:
-            tail = (work / f"rank{r}.log").read_text()[-4000:]
-            raise RuntimeError(f"{size} {mode}: rank {r} exited {code}:\n{tail}")
-    return [json.loads((work / f"result-{r}.json").read_text()) for r in range(world)]
+    try:
+        return run_worker_script(__file__, work, world, {"size": size, "steps": steps}, timeout, env=env, cwd=REPO)
+    except RuntimeError as e:
+        raise RuntimeError(f"{size} {mode}: {e}") from None
 
 
 def measure(size: str, rounds: int, world: int, steps: int, timeout: float) -> dict[str, Any]:
@@ -181,11 +169,5 @@ def main() -> None:
     print(f"wrote {a.out}")  # noqa: T201
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        rank, world, port, args_path = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-        job = json.loads(Path(args_path).read_text())
-        result = _worker(rank, world, port, job)
-        Path(args_path).with_name(f"result-{rank}.json").write_text(json.dumps(result))
-    else:
-        main()
+if __name__ == "__main__" and not worker_entry(_worker):
+    main()

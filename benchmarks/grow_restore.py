@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastictrain.testing.ranks import run_ranks
+from elastictrain.testing.ranks import run_worker_script, worker_entry
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -126,24 +125,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(work: Path, roots: list[Path], args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    work.mkdir(parents=True, exist_ok=True)
-    args = {**args, "roots": [str(r) for r in roots]}
-    (work / "args.json").write_text(json.dumps(args))
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    port, world = _free_port(), len(roots)
-    codes = run_ranks(lambda r: [sys.executable, __file__, "--worker", str(r), str(world), str(port),
-                                 str(work / "args.json")], world, work, timeout, env=env, cwd=REPO)
-    for r, code in enumerate(codes):
-        if code != 0:
-            raise RuntimeError(f"rank {r} exited {code}:\n" + (work / f"rank{r}.log").read_text()[-4000:])
-    return [json.loads((work / f"result-{r}.json").read_text()) for r in range(world)]
+    return run_worker_script(__file__, work, len(roots), {**args, "roots": [str(r) for r in roots]}, timeout,
+                             env=env, cwd=REPO)
 
 
 CASES = {"grow": ("a", "ac"), "shrink": ("ab", "a")}
@@ -229,11 +214,5 @@ def main() -> None:
         print(f"{r['size']} {r['case']}: slot {r['slot_bytes'] / 1e6:.0f} MB, medians {r['median']}")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        rank, world, port, args_path = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-        job = json.loads(Path(args_path).read_text())
-        result = _worker(rank, world, port, job)
-        Path(args_path).with_name(f"result-{rank}.json").write_text(json.dumps(result))
-    else:
-        main()
+if __name__ == "__main__" and not worker_entry(_worker):
+    main()

@@ -308,7 +308,7 @@ class ElasticConfig:
     """TLS between the agents' replica servers and their clients (cert, key, ca; unset: plain HTTP)."""
     worker_malloc: Literal["tuned", "default"] = "tuned"
     """The workers' host memory allocator (glibc malloc; runtime/allocator.py): `tuned` keeps freed memory in the
-    worker for reuse (CPU training steps 6-7 % faster at 50M-150M parameters on 2 ranks here, resident memory at its
+    worker for reuse (CPU training steps 5-8 % faster at 50M-150M parameters on 2 ranks here, resident memory at its
     peak instead of falling between steps); `default` leaves glibc as it is. A worker whose environment sets glibc's
     malloc variables itself is left as it is."""
     straggler_margin: float = 0.2

@@ -4,8 +4,8 @@ glibc gives a freed block of more than 128 KiB back to the kernel at once (its o
 and raises that threshold only as such blocks are freed. A CPU training step frees and allocates hundreds of MB of
 gradients and activations every step, and each fresh page costs a fault and a zeroing by the kernel on the next
 touch: measured on a 2-core VM, one process training scale.py's 50M model stepped in 0.29 s with glibc's defaults
-and 0.22 s with freed memory kept (150M: 0.85-0.94 s against 0.69 s; the tiny model: no difference). A re-form in
-place allocates the model and optimizer again right after it freed the old ones, and the same pages serve.
+and 0.22 s with freed memory kept (150M: 0.85-0.94 s against 0.69 s; the tiny model: no difference); two FSDP2
+ranks, where communication takes more of the step, 5-8 % faster (benchmarks/allocator.py).
 
 `tune_malloc` sets `M_MMAP_THRESHOLD` to 32 MiB (glibc's own ceiling for its dynamic threshold: blocks up to that
 come from the heap, larger ones are mapped and unmapped as before) and `M_TRIM_THRESHOLD` to 2 GiB (free memory at
