@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,8 @@ def run_job(size: str, mode: str, world: int, steps: int, timeout: float) -> lis
         return run_worker_script(__file__, work, world, {"size": size, "steps": steps}, timeout, env=env, cwd=REPO)
     except RuntimeError as e:
         raise RuntimeError(f"{size} {mode}: {e}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(size: str, rounds: int, world: int, steps: int, timeout: float) -> dict[str, Any]:

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 ENV_WORKER_MALLOC = "ELASTICTRAIN_WORKER_MALLOC"
 """Set by the agent for its workers from `elastic.worker_malloc`: `tuned` (the default) or `default`."""
-MODES = ("tuned", "default")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 << 20
