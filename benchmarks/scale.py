@@ -84,10 +84,8 @@ from benchmarks.fault_point import (  # noqa: E402
 )
 from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _split  # noqa: E402
 from benchmarks.scale_results import plot, summarize  # noqa: E402
-from elastictrain.agent.snapshots import snapshot_base  # noqa: E402
 from elastictrain.checkpoint.manifest import step_dir_name  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
-from elastictrain.runtime.heartbeat import pid_alive  # noqa: E402
 from elastictrain.testing.s3server import S3Server  # noqa: E402
 from tests.chaos.cluster import Node  # noqa: E402
 from tests.integration.recipe_runs import worker_env  # noqa: E402
@@ -167,11 +165,8 @@ class ScaleJob(Job):
 
     def clean(self) -> None:
         """Stop every process of the job, then remove its checkpoints and its agents' /dev/shm snapshot folders."""
-        self.close()
+        self.close()  # its agents' snapshot folders go with it (recovery.py's Job.close)
         shutil.rmtree(self.ckpt_dir.parent if self.s3 else self.ckpt_dir, ignore_errors=True)
-        for d in snapshot_base().glob(f"{self.run_id}-*"):
-            if not pid_alive(int(d.name.rsplit("-", 1)[1])):
-                shutil.rmtree(d, ignore_errors=True)
 
 
 # --- the timeline: pure functions of the completed steps -------------------------------------------------------
