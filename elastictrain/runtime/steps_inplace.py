@@ -57,14 +57,19 @@ class InPlaceLoop:
         """The script gave `rebuild`: the loop can go on in place in a smaller world."""
         return self._rebuild is not None
 
-    def rebuild_state(self) -> None:
-        """The world shrank in place: the model, optimizer and scheduler built again on the new mesh (`rebuild`), put
-        into the state; the load from the snapshots that follows fills them."""
+    def rebuild_state(self, shrank: bool = True) -> None:
+        """The world changed size in place: the model, optimizer and scheduler built again on the new mesh
+        (`rebuild`), put into the state; the load from the snapshots that follows fills them. `shrank`: fewer ranks
+        now, so each one's shards grow."""
         assert self._rebuild is not None
         old = self.state.model
         self.state.model = self.state.optim = None  # the old shards go before the new ones are allocated
         del old
-        gc.collect()  # FSDP's modules hold their parameters in reference cycles: without it they stay till later
+        if shrank:
+            # FSDP's modules hold their parameters in reference cycles: without a collection the old shards stay
+            # beside the larger new ones until the next full one. It costs the pause 0.1-0.2 s (50M), so a grow,
+            # whose new shards are smaller, leaves them to the next automatic collection.
+            gc.collect()
         new = self._rebuild()
         if not isinstance(new, TrainState):
             raise ConfigError(f"Worker.steps(rebuild=...) returned {type(new).__name__}; return a TrainState with the "

@@ -217,11 +217,12 @@ class Worker:
                 what = "grew" if world.joined and size > self.world_size else "shrank"
                 raise WorldShrank(f"the world {what} in place to {size} ranks, but the script gave Worker.steps no "
                                   f"`rebuild` to build its model on the new mesh; re-forming in a new round instead")
+        before = self.world_size
         if session.rebuild(generation, rank, size):
             assert self.loop is not None
             log.warning("the world changed size in place to %d ranks: now rank %d; building the model on the new "
                         "mesh", self.world_size, self.rank)
-            self.loop.rebuild_state()
+            self.loop.rebuild_state(shrank=self.world_size < before)
             return True
         model = self.loop.state.model if self.loop is not None else None
         if model is not None:
