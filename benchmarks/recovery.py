@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import statistics
@@ -53,9 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fault_point import arm_node_kill, arm_worker_signal, at_offset  # noqa: E402
-from elastictrain.agent.snapshots import snapshot_base  # noqa: E402
+from elastictrain.agent.snapshots import snapshot_base, sweep_orphans  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
-from elastictrain.runtime.heartbeat import pid_alive  # noqa: E402
 from elastictrain.runtime.warmstart import idle_spares  # noqa: E402
 from tests.chaos.cluster import Node  # noqa: E402
 from tests.integration.recipe_runs import FAST, worker_env  # noqa: E402
@@ -238,16 +236,7 @@ class Job:
         for n in self.nodes:
             if n.alive():
                 n.kill()
-        remove_snapshot_folders(self.run_id)
-
-
-def remove_snapshot_folders(run_id: str) -> None:
-    """The job's /dev/shm snapshot folders whose agents are gone: a SIGKILLed agent (a node fault, the end of a
-    job) cannot remove its own, and the next agent to sweep them may be another benchmark's, minutes later (a 50M
-    goodput run left 2 x 2.3 GB)."""
-    for d in snapshot_base().glob(f"{run_id}-*"):
-        if not pid_alive(int(d.name.rsplit("-", 1)[1])):
-            shutil.rmtree(d, ignore_errors=True)
+        sweep_orphans(snapshot_base())  # a SIGKILLed agent cannot remove its own folder (2 x 2.3 GB at 50M)
 
 
 def _newest(job: Job) -> Completed:

@@ -27,7 +27,7 @@ import os
 import runpy
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NoReturn, Optional, Sequence
 
 from elastictrain.runtime.allocator import tune_malloc
 from elastictrain.runtime.heartbeat import die_with_parent
@@ -195,7 +195,7 @@ def cold_command(args: Sequence[str]) -> list[str]:
     return [*args[:lead], "-m", MODULE, RUN_NOW, *args]
 
 
-def _run(work: Target) -> int:
+def _run(work: Target) -> NoReturn:
     """Run the worker's module or script as `__main__`, then leave as `python` would (`_leave`), with its exit code;
     a failed script's process groups are aborted first."""
     tune_malloc()  # elastic.worker_malloc, as the agent set it in the environment the worker took
@@ -219,7 +219,6 @@ def _run(work: Target) -> int:
     if code != 0:
         abort_process_groups()
     _leave(code)
-    return code
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -232,7 +231,7 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _leave(code: int) -> None:
+def _leave(code: int) -> NoReturn:
     """The script's exit, at once, in the interpreter's order: it waits for the script's non-daemon threads, runs
     its atexit handlers (the script's process groups still there, as under `python script.py`: a handler may use or
     destroy them) and flushes every file it left open; then it destroys the groups the script left and exits,
