@@ -233,9 +233,10 @@ def last_in_place(events: list[Event]) -> Optional[dict[str, Any]]:
     out = {"time": start.time, "node": start.node, "reason": f.get("reason") or "failure",
            "generation": f.get("generation"), "replaced_ranks": f.get("replaced_ranks") or [],
            "lost_node": f.get("lost_node"), "resumed": done is not None, "pause_s": None, "step": None,
-           "cause": None}
+           "cause": None, "pause_parts": None}
     if done is not None:
-        out.update(pause_s=done.fields.get("pause_s"), step=done.fields.get("step"), cause=done.fields.get("cause"))
+        out.update(pause_s=done.fields.get("pause_s"), step=done.fields.get("step"), cause=done.fields.get("cause"),
+                   pause_parts=done.fields.get("parts"))
     return out
 
 

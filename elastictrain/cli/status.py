@@ -113,8 +113,10 @@ def _in_place(view: JobView) -> list[str]:
     if not ip["resumed"]:
         return [f"in place:   PAUSED since {when}: {what} (generation {ip['generation']})"]
     pause = "-" if ip["pause_s"] is None else _ago(ip["pause_s"])
+    parts = ip.get("pause_parts") or {}
+    where = f" ({', '.join(f'{k} {v:.2f}s' for k, v in parts.items())})" if parts and ip["pause_s"] is not None else ""
     cause = f"; {_short(ip['cause'], 60)}" if ip.get("cause") else ""
-    return [f"in place:   {when}: {what}, resumed at step {ip['step']} after {pause} paused{cause}"]
+    return [f"in place:   {when}: {what}, resumed at step {ip['step']} after {pause} paused{where}{cause}"]
 
 
 LAST_FAULTS = 3

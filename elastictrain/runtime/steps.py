@@ -126,6 +126,7 @@ class StepLoop(InPlaceLoop):
         self._progress_at, self._progress_steps = -math.inf, 0
         self._stuck: Optional[StuckWatch] = None
         self._pausing = False
+        self._pause_parts: dict[str, float] = {}  # where the last in-place pause went (steps_inplace.py)
         self._save_owed = False
         """A durable save was due at a boundary where the group re-formed (a grow): it is made at the next step."""
         self._audit_dir = audit_dir
@@ -233,7 +234,9 @@ class StepLoop(InPlaceLoop):
     def _start(self, recovering: bool = False) -> None:
         w, st = self.worker, self.state
         w.heartbeat.beat(st.step, "load")
+        t0 = time.monotonic()
         resumed = self.checkpointer.restore() if self.checkpointer is not None else None
+        self._pause_parts["restore"] = time.monotonic() - t0
         if resumed is None and recovering:
             raise InPlaceFailed("no snapshot or checkpoint to resume from in place (a failure before the first one); "
                                 "restarting every worker instead")

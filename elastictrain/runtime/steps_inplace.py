@@ -48,6 +48,7 @@ class InPlaceLoop:
     _guarded: bool
     _pausing: bool
     _pending: dict[str, Any]
+    _pause_parts: dict[str, float]
 
     def _start(self, recovering: bool = False) -> None: ...
     def _watch_stragglers(self) -> None: ...
@@ -62,6 +63,7 @@ class InPlaceLoop:
         (`rebuild`), put into the state; the load from the snapshots that follows fills them. `shrank`: fewer ranks
         now, so each one's shards grow."""
         assert self._rebuild is not None
+        t0 = time.monotonic()
         old = self.state.model
         self.state.model = self.state.optim = None  # the old shards go before the new ones are allocated
         del old
@@ -76,6 +78,7 @@ class InPlaceLoop:
                               f"model built on w.mesh, its optimizer and scheduler")
         self.state.adopt(new)
         self._watch_stragglers()
+        self._pause_parts["model"] = time.monotonic() - t0
 
     def _agree_generation(self, in_place: InPlace) -> None:
         """Every rank runs in rank 0's generation: the one it joined or rebuilt, or on a first start the counter's."""
@@ -178,10 +181,15 @@ class InPlaceLoop:
             self.ledger = None
         self._pending = {}
         old, old_world = in_place.generation, w.world_size
+        parts = self._pause_parts = {"wait": time.monotonic() - started}
         try:
+            t0 = time.monotonic()
             w.rebuild_group(generation)
+            parts["group"] = time.monotonic() - t0 - parts.get("model", 0.0)
             self.checkpointer = self._checkpointer()
+            t0 = time.monotonic()
             self._start(recovering=True)
+            parts["check"] = time.monotonic() - t0 - parts.get("restore", 0.0)
         except InPlaceFailed:
             raise
         except Exception as e:
@@ -190,9 +198,11 @@ class InPlaceLoop:
         self._pausing = False
         pause = time.monotonic() - started
         if w.rank == self.reporter:  # the lowest survivor: rank 0 may be a replacement, which knows no pause
-            log.warning("resumed in place at step %d (generation %d) after %.2fs paused", st.step, generation, pause)
+            log.warning("resumed in place at step %d (generation %d) after %.2fs paused (%s)", st.step, generation,
+                        pause, ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()))
             w.heartbeat.event("in_place_resumed", generation=generation, failed_step=failed_step, step=st.step,
                               pause_s=round(pause, 3), cause=cause,
+                              parts={k: round(v, 3) for k, v in parts.items()},
                               **({"from_world_size": old_world, "to_world_size": w.world_size}
                                  if old_world != w.world_size else {}),
                               **({"grew": True} if w.world_size > old_world else {}))

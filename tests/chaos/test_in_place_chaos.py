@@ -85,6 +85,10 @@ def test_a_killed_worker_a_stopped_worker_and_a_lost_node_are_replaced_alone(in_
         "a fault was recovered by restarting every worker instead of in place"
     resumed = [e for e in evs if e.kind == "in_place_resumed"]
     assert len(resumed) == 3, [(e.kind, e.fields) for e in evs]
+    for e in resumed:  # where each pause went, as `status` shows it: the parts add up to no more than the pause
+        parts = e.fields["parts"]
+        assert {"wait", "group", "restore", "check"} <= set(parts) and all(v >= 0 for v in parts.values()), e.fields
+        assert sum(parts.values()) <= e.fields["pause_s"] + 0.01, e.fields
     # The snapshot of the step before each fault (or the fault's own) is where both continue: at most one step redone
     # (for the lost node: the replica of its snapshot on the survivor's node).
     for e, r in zip(resumed, reached):

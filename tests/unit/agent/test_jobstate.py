@@ -131,7 +131,9 @@ def test_workers_paused_with_no_pause_requested_are_a_recovery_in_place_with_its
     assert waiting is not None and not waiting["resumed"] and waiting["replaced_ranks"] == [1]
     assert (waiting["reason"], waiting["lost_node"]) == ("node re-join", "old-b")
     resumed = Event(time=NOW - 1, node="a", kind="in_place_resumed",
-                    fields={"generation": 4, "failed_step": 17, "step": 17, "pause_s": 2.5, "cause": "peer failed"})
+                    fields={"generation": 4, "failed_step": 17, "step": 17, "pause_s": 2.5, "cause": "peer failed",
+                            "parts": {"wait": 2.0, "group": 0.1, "restore": 0.4}})
     done = last_in_place([restart, resumed])
     assert done is not None and done["resumed"] and (done["pause_s"], done["step"]) == (2.5, 17)
+    assert done["pause_parts"] == {"wait": 2.0, "group": 0.1, "restore": 0.4}, "where the pause went is lost"
     assert last_in_place([Event(time=NOW, node="a", kind="restart", fields={"reason": "failure"})]) is None

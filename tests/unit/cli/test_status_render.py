@@ -146,3 +146,5 @@ def test_a_recovery_in_place_shows_who_was_replaced_why_and_the_pause():
     assert "in place:   PAUSED since" in text and "rank(s) 1 replaced by b, taking lost node old-b's place" in text
     v.in_place.update(resumed=True, pause_s=2.5, step=17, cause="a peer failed during step 17")
     assert "resumed at step 17 after 2.5s paused; a peer failed during step 17" in render(v)
+    v.in_place.update(pause_parts={"wait": 2.0, "group": 0.1, "restore": 0.4})
+    assert "after 2.5s paused (wait 2.00s, group 0.10s, restore 0.40s); a peer failed" in render(v)
