@@ -59,6 +59,9 @@ from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_S
 
 log = logging.getLogger(__name__)
 
+LEAVE_TOLERANCE_S = 2.0
+"""How long each etcd call may retry once the agent leaves on a signal (events, status, lease revoke)."""
+
 _NOT_HERE = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")
 """torchrun flags `elastictrain run` refuses: they replace the etcd rendezvous or the Python worker it warms."""
 
@@ -226,12 +229,15 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
             return failure.exitcode if failure.exitcode > 0 else 1
         except SignalException as e:
             # A drain: workers finished their step and saved; leave the rendezvous at once so the others
-            # re-form without waiting for our lease to expire.
+            # re-form without waiting for our lease to expire. What is left to write to etcd is best effort: with
+            # etcd down the agent still leaves within the scheduler's grace period.
+            client.limit_tolerance(LEAVE_TOLERANCE_S)
             agent = agent_ref.get("agent")
             liveness = getattr(agent.get_worker_group().spec.rdzv_handler, "liveness", None) if agent else None
             if liveness is not None:
                 liveness.stop()
             if publisher is not None:
+                publisher.join_s = LEAVE_TOLERANCE_S  # its thread may be retrying a write: flush without it
                 publisher.on_event("drain", {"signal": e.sigval.name})
             log.warning("node drained on %s", e.sigval.name)
             return 0 if e.sigval in (signal.SIGTERM, signal.SIGINT) else 128 + int(e.sigval)

@@ -162,6 +162,9 @@ class EtcdStatusPublisher:
         self._events: deque[tuple[str, Event]] = deque(maxlen=MAX_QUEUED_EVENTS)
         """(etcd key, event), oldest first; the key is taken when the event happens, so keys sort by time."""
         self._thread: Optional[threading.Thread] = None
+        self.join_s = 5.0
+        """How long `close` waits for the publishing thread (in a write) before its own last flush, and for each of
+        the ledger keeper's last rounds."""
         self.snapshot_probe: Optional[Callable[[], tuple[Optional[int], Optional[int], Optional[str]]]] = None
         """(snapshot step, replicated step, replica peer) of this node's snapshot tier, read at each publish."""
         self._faults_open = False
@@ -334,10 +337,10 @@ class EtcdStatusPublisher:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=self.join_s)
         self.flush()
         if self.status.group_rank == 0:
-            self.keeper.close()
+            self.keeper.close(timeout=self.join_s)
 
 
 class _EtcdRecords:

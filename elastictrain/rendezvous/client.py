@@ -43,6 +43,8 @@ _ENDPOINT_RETRY_S = 1.0
 # Request records live under a lease of at least this long (and 3 retry windows), granted afresh once
 # less than 2 retry windows of it are left: one grant every ~8 minutes with the defaults.
 _REQUEST_LEASE_MIN_TTL_S = 600.0
+# Once a call of a leaving thread (`limit_tolerance`) found etcd down, its later calls retry this long only.
+LEAVING_RETRY_S = 0.2
 # Counters whose last seen (value, revision) `add` keeps to guess from; the rendezvous touches a few per round.
 _COUNTER_CACHE_SIZE = 1024
 
@@ -255,6 +257,15 @@ class EtcdClient:
         finally:
             self._local.tolerance = previous
 
+    def limit_tolerance(self, seconds: float) -> None:
+        """From now on this thread's calls give up after at most `seconds`: an agent leaving on a signal, whose
+        last writes (events, status, lease) are best effort and whose scheduler's grace period is short. Without
+        it, an agent stopped while etcd was down retried each of them for `outage_tolerance` and outlived
+        the grace period (measured: no exit 60 s after SIGTERM)."""
+        current = getattr(self._local, "tolerance", None) or self.settings.outage_tolerance
+        self._local.tolerance = min(current, seconds)
+        self._local.leaving = True
+
     def call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T],
              tolerance: float | None = None) -> T:  # fmt: skip
         """Run `fn(client)`, retrying transient failures with backoff for up to `tolerance` seconds.
@@ -278,6 +289,8 @@ class EtcdClient:
                     raise self._fatal_error(exc) from exc
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if getattr(self._local, "leaving", False):  # the next calls of a leaving thread try once
+                        self._local.tolerance = min(tolerance, LEAVING_RETRY_S)
                     raise EtcdUnavailableError(
                         f"etcd at {self.settings.endpoints_str()} unavailable for {tolerance:g} s during "
                         f"{what} ({_describe(exc)})"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,7 @@ SCRIPT = textwrap.dedent('''
         p.add_argument("--out", required=True)
         p.add_argument("--sleep", type=float, default=0.0)
         p.add_argument("--die", choices=["no", "kill", "exit2"], default="no")
+        p.add_argument("--step-sleep", type=float, default=0.0)
         a = p.parse_args()
         time.sleep(a.sleep)  # silent start-up: no heartbeat, ever
         dist.init_process_group("gloo")
@@ -52,6 +55,9 @@ SCRIPT = textwrap.dedent('''
                 dist.all_reduce(q.grad)
             opt.step()
             opt.zero_grad()
+            if rank == 0 and step == 2:
+                open(os.path.join(a.out, "training"), "w").close()
+            time.sleep(a.step_sleep)
             marker = os.path.join(a.out, "died")
             if rank == 0 and step == 1 and a.die != "no" and not os.path.exists(marker):
                 open(marker, "w").close()
@@ -144,3 +150,41 @@ def test_a_script_exiting_2_ends_the_job_at_once_without_a_restart(tmp_path, etc
     assert _results(tmp_path) == []
     used, events = restarts_and_events(etcd.endpoint, run_id)
     assert used == 0 and any(e.kind == "fatal" for e in events), [(e.kind, e.fields) for e in events]
+
+
+def test_an_agent_stopped_while_etcd_is_down_leaves_within_a_schedulers_grace_period(tmp_path, etcd_private, run_id):
+    """SIGTERM (a scheduler's stop) while etcd is unreachable: what the agent still writes to etcd as it leaves
+    (events, status, lease) is best effort, so it exits cleanly well within Kubernetes' default 30 s grace period.
+    Before: each of those writes retried for the whole outage tolerance, and the agent had not exited 60 s later."""
+    script = _script(tmp_path)
+    env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    log_path = tmp_path / "agent.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastictrain.cli.main", "run", "--nproc-per-node", "1", "--rdzv-endpoint",
+             etcd_private.endpoint, "--rdzv-id", run_id, str(script), "--steps", "100000", "--step-sleep", "0.05",
+             "--out", str(tmp_path / "out")], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "out" / "training").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-6000:]
+            time.sleep(0.1)
+        etcd_private.server.stop(signal.SIGKILL)
+        time.sleep(1.0)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = log_path.read_text()
+    print(f"agent gone {elapsed:.1f}s after SIGTERM with etcd down")
+    assert code == 0, text[-6000:]
+    assert elapsed < 30.0, f"the agent took {elapsed:.1f}s to leave with etcd down\n{text[-6000:]}"
+    assert "node drained on SIGTERM" in text
