@@ -237,16 +237,22 @@ def test_snapshots_that_do_not_fit_after_a_resume_wait_for_room_while_training_g
         other.wait()
 
 
-def test_after_a_re_form_the_next_slot_is_mapped_meanwhile_and_keeps_its_older_snapshot_until_rewritten(tmp_path):
-    """A save that maps a slot anew (the first after a start or a re-form) has the other slot sized and mapped on a
-    thread: the next save copies into pages already mapped (a grow one step later waits for that copy), and the
-    older snapshot the other slot holds stays committed and exact until it is rewritten."""
+def _two_snapshots_of_a_closed_store(tmp_path):
+    """A state trained two steps, each snapshotted by a store that is then closed (a group before a re-form)."""
     state, model, optim = _state(0)
     first = SnapshotStore(tmp_path, 0, JOB)
     for _ in range(2):
         _train(state, model, optim)
         first.save(state.step, state.checkpoint_state(0))
     first.close()
+    return state, model, optim
+
+
+def test_after_a_re_form_the_next_slot_is_mapped_meanwhile_and_keeps_its_older_snapshot_until_rewritten(tmp_path):
+    """A save that maps a slot anew (the first after a start or a re-form) has the other slot sized and mapped on a
+    thread: the next save copies into pages already mapped (a grow one step later waits for that copy), and the
+    older snapshot the other slot holds stays committed and exact until it is rewritten."""
+    state, model, optim = _two_snapshots_of_a_closed_store(tmp_path)
     at_two, _, _ = _state(0)
     for _ in range(2):
         _train(at_two, at_two.model, at_two.optim)
@@ -305,12 +311,7 @@ def test_a_restored_state_has_both_slots_mapped_ahead_unless_the_budget_refuses(
     """After a restore (a re-form, a restart) the state's size is known: both slots are sized and mapped meanwhile,
     the snapshots they hold stay exact, and the first saves copy into those mappings. A budget that refuses the size
     now prepares nothing and raises nothing (the save reports it)."""
-    state, model, optim = _state(0)
-    first = SnapshotStore(tmp_path, 0, JOB)
-    for _ in range(2):
-        _train(state, model, optim)
-        first.save(state.step, state.checkpoint_state(0))
-    first.close()
+    state, model, optim = _two_snapshots_of_a_closed_store(tmp_path)
 
     refused = SnapshotStore(tmp_path, 0, JOB, check_room=lambda n: (_ for _ in ()).throw(ConfigError("no room")))
     refused.prepare(state.checkpoint_state(0))
