@@ -159,9 +159,9 @@ class SnapshotStore:
         self._rotate_three = False
         self._lock = threading.Lock()
         self._preparing: dict[int, threading.Thread] = {}
+        """Slots being sized and mapped on a thread of their own (`_prepare_others`); a save of one waits for it."""
         self._sized: set[int] = set()
         """Slots a save of this store has written: their files are this state's size."""
-        """Slots being sized and mapped on a thread of their own (`_prepare_others`), the next save's slot first."""
         self.last: Optional[SnapshotInfo] = None
         """The newest snapshot this store committed."""
 
@@ -346,6 +346,8 @@ class SnapshotStore:
             thread = self._preparing.pop(k, None)
             if thread is not None:
                 thread.join()
+
+    # --- loading -----------------------------------------------------------------------------------------
 
     def _committed(self) -> list[SnapshotInfo]:
         out = []
