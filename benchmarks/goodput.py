@@ -59,7 +59,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import recovery  # noqa: E402
-from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _trained, recovery_stats  # noqa: E402
+from benchmarks.recovery import (  # noqa: E402
+    CONFS,
+    Completed,
+    Job,
+    _spares_ready,
+    _trained,
+    recovery_stats,
+    unwind_on_sigterm,
+)
 from elastictrain.agent.budget import RestartBudget  # noqa: E402
 from elastictrain.agent.jobstate import collect  # noqa: E402
 from elastictrain.agent.ledger import window  # noqa: E402
@@ -440,9 +448,7 @@ def _dumps(result: dict) -> str:
 
 
 def main() -> None:
-    # SIGTERM (a `kill`, a scheduler) unwinds like Ctrl-C, so every job's `close()` stops its agents, workers and etcd
-    # by PID instead of leaving them running.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    unwind_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, help=f"seconds of the fault window per system and round "
                    f"({DEFAULTS['duration']:.0f})")

@@ -463,7 +463,14 @@ def write_results(runs: list[dict], plan: list[tuple[str, str]], meta: dict, out
     print(f"wrote {out}")  # noqa: T201
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a scheduler) unwinds like Ctrl-C, so every job's `close()` stops its agents, workers and
+    etcd by PID instead of leaving them running (with their snapshot folders) after the driver is gone."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> None:
+    unwind_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--hang-wait", type=float, default=60.0, help="bound on waiting for a hang to be recovered")

@@ -82,7 +82,7 @@ from benchmarks.fault_point import (  # noqa: E402
     at_offset,
     committed_step,  # noqa: E402
 )
-from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _split  # noqa: E402
+from benchmarks.recovery import CONFS, Completed, Job, _spares_ready, _split, unwind_on_sigterm  # noqa: E402
 from benchmarks.scale_results import plot, summarize  # noqa: E402
 from elastictrain.checkpoint.manifest import step_dir_name  # noqa: E402
 from elastictrain.rendezvous.embedded import EmbeddedEtcd  # noqa: E402
@@ -392,6 +392,7 @@ def machine() -> dict:
 
 
 def main() -> None:
+    unwind_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="tiny,50m,150m", help=f"model sizes, of {','.join(SIZES)} (default %(default)s)")
     p.add_argument("--trials", type=int, default=3)
