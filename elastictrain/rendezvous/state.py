@@ -22,6 +22,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
@@ -99,6 +100,8 @@ class LeaseAwareStateHolder(_BackendRendezvousStateHolder):
         try:
             self._watch_id = client.watch_prefix(self._etcd_backend.key, self._on_watch, _REWATCH_TOLERANCE_S)
             self._watch_broken = False
+        except SignalException:  # torch's SIGTERM/SIGINT, raised in whatever the main thread runs: the agent stops
+            raise
         except Exception as exc:  # noqa: BLE001 - polling still works
             logger.warning("cannot watch %s (%s); polling until it works", self._etcd_backend.key, exc)
             self._watch_broken = True

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pickle
+import signal
 from datetime import datetime, timedelta, timezone
 
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
@@ -188,3 +191,22 @@ def test_early_completion_is_decided_on_a_fresh_read_not_the_watch_cache() -> No
     everyone = CachedLiveness(cached={A, B}, in_etcd={A, B})
     action, actions = _decide(everyone)
     assert action == actions.MARK_RENDEZVOUS_COMPLETE
+
+
+def test_a_sigterm_while_the_state_watch_is_set_up_stops_the_agent_instead_of_falling_back_to_polling() -> None:
+    """torch turns SIGTERM into a SignalException raised wherever the agent's main thread is. Seen in CI: it came
+    while the watch was retried during an etcd outage, the watch's fallback swallowed it as an etcd error, and the
+    agent trained on, ignoring the stop, until it was killed 60 s later."""
+    class SignalledClient:
+        def watch_prefix(self, *args, **kwargs):
+            raise SignalException("Process 1 got signal: 15", signal.SIGTERM)
+
+    holder = LeaseAwareStateHolder(FakeBackend(_complete_round(A)), SETTINGS, FakeLiveness(set()))
+    with pytest.raises(SignalException):
+        holder.watch(SignalledClient())  # type: ignore[arg-type]
+
+    class DownClient:
+        def watch_prefix(self, *args, **kwargs):
+            raise OSError("etcd unavailable")
+
+    holder.watch(DownClient())  # type: ignore[arg-type]  # an etcd error still falls back to polling
