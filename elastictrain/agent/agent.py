@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from elastictrain.agent import stopsignal
 from elastictrain.agent.budget import (
     CrashLoopError,
     FatalWorkerError,
@@ -244,7 +245,9 @@ class ElasticAgent(LocalElasticAgent):
                 self._join_when_warm()
         outcome = "unknown"
         try:
-            result = super().run(role)
+            stopsignal.install()  # a stop signal passes every best-effort handler on its way here (stopsignal.py)
+            with stopsignal.as_torch_signal():  # also one that lands in torch's run outside `_invoke_run`
+                result = super().run(role)
             outcome = result.state.value if result is not None else "rendezvous closed"
             return result
         except SignalException as e:
@@ -254,6 +257,7 @@ class ElasticAgent(LocalElasticAgent):
             outcome = f"error: {type(e).__name__}: {e}"
             raise
         finally:
+            stopsignal.uninstall()
             self._emit("leave", outcome=outcome)
             if self._channel is not None:
                 self._channel.close()
@@ -263,6 +267,10 @@ class ElasticAgent(LocalElasticAgent):
             # The agent's run is its process's last work: the interpreter's final collection of the heap torch
             # and the clients built (seconds, measured 0.3-3.6 s here) would only delay the exit the job waits for.
             gc.freeze()
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        with stopsignal.as_torch_signal():  # torch's run stops the workers with the signal (a drain), then re-raises
+            return super()._invoke_run(role)
 
     def _join_when_warm(self) -> None:
         """Join only once this node's spares have imported the worker code.
@@ -306,6 +314,7 @@ class ElasticAgent(LocalElasticAgent):
             pids = self._spawn(worker_group)
         finally:
             os.environ.pop(ENV_GENERATION, None)
+            stopsignal.install()  # torch installed its handler again as it started them
         if self.in_place_store is not None and isinstance(self._pcontext, WarmContext):
             self._pcontext.keep_survivors = True
         self._hang_deferred = None
@@ -651,6 +660,7 @@ class ElasticAgent(LocalElasticAgent):
             super()._shutdown(death_sig)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        stopsignal.install()  # after anything else that started a worker (an in-place replacement)
         result = super()._monitor_workers(worker_group)
         now = self._clock()
         if self.in_place_store is not None:

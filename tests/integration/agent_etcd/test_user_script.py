@@ -152,19 +152,43 @@ def test_a_script_exiting_2_ends_the_job_at_once_without_a_restart(tmp_path, etc
     assert used == 0 and any(e.kind == "fatal" for e in events), [(e.kind, e.fields) for e in events]
 
 
+def _start_agent(tmp: Path, endpoint: str, run_id: str, launcher: str = "") -> tuple[subprocess.Popen, Path]:
+    """`elastictrain run` of the plain script, endless, in a session of its own; `launcher`: a module run instead of
+    the CLI's (it ends by calling it), to change the agent in its own process."""
+    script = _script(tmp)
+    env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp)])}
+    log_path = tmp / "agent.log"
+    entry = ["-m", "elastictrain.cli.main"]
+    if launcher:
+        (tmp / "agent_launcher.py").write_text(launcher)
+        entry = [str(tmp / "agent_launcher.py")]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, *entry, "run", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id",
+             run_id, str(script), "--steps", "100000", "--step-sleep", "0.05", "--out", str(tmp / "out")],
+            cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log_path
+
+
+def _wait_stopped(proc: subprocess.Popen, since: float, timeout: float = 60) -> tuple[int | None, float]:
+    """The agent's exit code (None: still running after `timeout`, then killed) and its seconds since `since`."""
+    try:
+        try:
+            code: int | None = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        return code, time.monotonic() - since
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def test_an_agent_stopped_while_etcd_is_down_leaves_within_a_schedulers_grace_period(tmp_path, etcd_private, run_id):
     """SIGTERM (a scheduler's stop) while etcd is unreachable: what the agent still writes to etcd as it leaves
     (events, status, lease) is best effort, so it exits cleanly well within Kubernetes' default 30 s grace period.
     Before: each of those writes retried for the whole outage tolerance, and the agent had not exited 60 s later."""
-    script = _script(tmp_path)
-    env = {**worker_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
-    log_path = tmp_path / "agent.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "elastictrain.cli.main", "run", "--nproc-per-node", "1", "--rdzv-endpoint",
-             etcd_private.endpoint, "--rdzv-id", run_id, str(script), "--steps", "100000", "--step-sleep", "0.05",
-             "--out", str(tmp_path / "out")], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+    proc, log_path = _start_agent(tmp_path, etcd_private.endpoint, run_id)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "out" / "training").exists():
@@ -174,17 +198,60 @@ def test_an_agent_stopped_while_etcd_is_down_leaves_within_a_schedulers_grace_pe
         time.sleep(1.0)
         stopped = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            code = None
-        elapsed = time.monotonic() - stopped
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    except BaseException:
+        _wait_stopped(proc, time.monotonic(), timeout=0)  # killed
+        raise
+    code, elapsed = _wait_stopped(proc, stopped)
     text = log_path.read_text()
     print(f"agent gone {elapsed:.1f}s after SIGTERM with etcd down")
     assert code == 0, text[-6000:]
     assert elapsed < 30.0, f"the agent took {elapsed:.1f}s to leave with etcd down\n{text[-6000:]}"
     assert "node drained on SIGTERM" in text
+
+
+# The agent with a listener of its events in which a SIGTERM lands (the agent calls its listeners inside a best-effort
+# `except Exception`, as it does many etcd calls that retry through an outage).
+SIGNAL_IN_A_HANDLER = textwrap.dedent('''
+    import os
+    import signal
+    import sys
+    import time
+
+    from elastictrain.agent import agent as _agent
+
+
+    class SignalInAListener:
+        def on_event(self, kind, record):
+            if kind == "join" and not os.path.exists("signalled"):
+                open("signalled", "w").close()
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(3)  # the signal's handler runs in here
+
+
+    _init = _agent.ElasticAgent.__init__
+
+
+    def _with_listener(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        self.add_listener(SignalInAListener())
+
+
+    _agent.ElasticAgent.__init__ = _with_listener
+    from elastictrain.cli.main import main
+
+    sys.exit(main())
+''')
+
+
+def test_a_sigterm_that_lands_in_a_best_effort_handler_still_stops_the_agent(tmp_path, etcd, run_id):
+    """A scheduler's SIGTERM stops the agent wherever on its main thread it lands. Before: torch raises it as an
+    `Exception`, and a best-effort handler (here the one around the event listeners; also the etcd calls retried
+    through an outage) caught it as one of its own errors: the agent logged it and trained on until SIGKILLed."""
+    proc, log_path = _start_agent(tmp_path, etcd.endpoint, run_id, launcher=SIGNAL_IN_A_HANDLER)
+    started = time.monotonic()
+    code, elapsed = _wait_stopped(proc, started, timeout=45)
+    text = log_path.read_text()
+    assert (tmp_path / "signalled").exists(), text[-6000:]
+    assert code is not None, f"the agent was still running {elapsed:.0f}s after a SIGTERM\n{text[-6000:]}"
+    assert "failed on join event" not in text, text[-6000:]
+    assert "node drained on SIGTERM" in text, text[-6000:]
