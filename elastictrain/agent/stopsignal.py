@@ -26,7 +26,13 @@ from typing import Iterator
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+ENV_TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""torch's own setting of the signals it handles (default SIGTERM,SIGINT,SIGHUP,SIGQUIT): ours follows it."""
+
+
+def _signals() -> list[signal.Signals]:
+    names = os.environ.get(ENV_TORCH_SIGNALS, "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    return [getattr(signal, n.strip()) for n in names if isinstance(getattr(signal, n.strip(), None), signal.Signals)]
 
 
 class AgentSignalled(BaseException):
@@ -54,7 +60,7 @@ def install() -> None:
     torch_handler = _torch_handler()
     if torch_handler is None or not _main_thread():
         return
-    for sig in SIGNALS:
+    for sig in _signals():
         if signal.getsignal(sig) is torch_handler:
             signal.signal(sig, _raise)
 
@@ -64,7 +70,7 @@ def uninstall() -> None:
     torch_handler = _torch_handler()
     if torch_handler is None or not _main_thread():
         return
-    for sig in SIGNALS:
+    for sig in _signals():
         if signal.getsignal(sig) is _raise:
             signal.signal(sig, torch_handler)  # type: ignore[arg-type]
 
