@@ -101,8 +101,9 @@ SIZES: dict[str, dict[str, int]] = {
     "50m": dict(zip(_SHAPE, (768, 2048, 7, 12, 12))),
     "150m": dict(zip(_SHAPE, (1024, 2816, 12, 16, 16))),
 }
-CONFIGS: dict[str, tuple[str, int]] = {  # name -> (launcher, checkpoint.snapshot_every_steps)
-    "stock": ("stock", 0), "ours-durable": ("ours", 0), "ours-snapshot": ("ours", 1), "ours-in-place": ("ours", 1)}
+CONFIGS: dict[str, tuple[str, int | str]] = {  # name -> (launcher, checkpoint.snapshot_every_steps)
+    "stock": ("stock", 0), "ours-durable": ("ours", 0), "ours-snapshot": ("ours", 1), "ours-in-place": ("ours", 1),
+    "ours-auto": ("ours", "auto")}  # the interval measured (benchmarks/snapshot_pace.py)
 IN_PLACE = {"ours-in-place"}
 """Configurations with elastic.in_place: a killed worker is replaced alone, its peers pause in place (#15)."""
 DATA = ["data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=4"]

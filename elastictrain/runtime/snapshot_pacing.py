@@ -2,13 +2,18 @@
 else the smallest interval that keeps the cost under that.
 
 What a snapshot costs a step depends on the model, the host and what else runs on it: on a GPU node the copy is a
-DMA that overlaps the next step, on a CPU node its copy thread and checksum take cores from training (measured here
-at 150M parameters: steps 1.34x stock). So the interval is measured, not guessed. The pacer snapshots every second
-step for its first `probe_steps` steps: the time from one step boundary to the next after a snapshot (the copy of
-what the optimizer does not change, the next step, which the copy thread competes with, and the wait for that copy
-in the optimizer's pre-hook) against the same after a step without one gives the cost of a snapshot, `c`, and the
-plain step time `s`. The interval is the smallest n with c / (n s) <= target, at most `max_interval`. Every rank
-measures; the ranks take the largest interval (one small all_reduce, once), so that they snapshot the same steps.
+DMA that overlaps the next step, on a CPU node its copy thread and checksum take cores from training, and so does
+the agent's replication of each snapshot to the peer node (measured here at 150M parameters: steps 1.34x stock). So
+the interval is measured, not guessed. For its first `probe_steps` steps the pacer alternates blocks of `BLOCK`
+steps with a snapshot after each and blocks without any. The time from one step boundary to the next after a
+snapshot (the copy of what the optimizer does not change, the next step, which the copy thread and the replica of
+the snapshot before compete with, and the wait for that copy in the optimizer's pre-hook), against the same after a
+step without one, gives the cost of a snapshot, `c`, and the plain step time `s`. Only steps whose boundary before
+was of the same kind count: the first step without a snapshot still carries the replica of the last one, which is
+sent after the copy commits (alternating single steps, as the probe did before, counted that replica as the plain
+step's and picked every step at 50M where the job then ran 1.2x slower). The interval is the smallest n with
+c / (n s) <= target, at most `max_interval`. Every rank measures; the ranks take the largest interval (one small
+all_reduce, once), so that they snapshot the same steps (the blocks are numbered by step, the same on every rank).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from typing import Callable, Optional
 
 TARGET_COST = 0.05
 """The most a snapshot may cost training, as a fraction of the step time (issue #14's target)."""
-PROBE_STEPS = 16
+PROBE_STEPS = 18
+BLOCK = 3
+"""Steps per probe block: the first step of a block carries the last one's work, the other two are counted."""
 MAX_INTERVAL = 100
 
 
@@ -59,6 +66,9 @@ class SnapshotPacer:
         self.pace: Optional[Pace] = None
         self._agree, self._probe_steps, self._target, self._clock = agree, probe_steps, target, clock
         self._last: Optional[tuple[float, bool]] = None
+        """The last boundary's time and whether it snapshotted."""
+        self._kind_before: Optional[bool] = None
+        """Whether the boundary before that one snapshotted."""
         self._after: dict[bool, list[float]] = {True: [], False: []}
         self._seen = 0
 
@@ -66,13 +76,19 @@ class SnapshotPacer:
         """Whether to snapshot at this step boundary (the same answer on every rank); call once per step, on every
         rank. `also`: snapshot anyway (a durable save is due, and is written from the snapshot)."""
         now = self._clock()
-        if self.auto and self.pace is None:
-            if self._last is not None:
+        probing = self.auto and self.pace is None
+        if probing:
+            if self._last is not None and self._kind_before == self._last[1]:
                 self._after[self._last[1]].append(now - self._last[0])
             self._seen += 1
             if self._seen > self._probe_steps:
                 self._decide()
-        snapshot = also or (self.interval > 0 and step % self.interval == 0)
+                probing = False
+        if probing:
+            snapshot = also or (step // BLOCK) % 2 == 1
+        else:
+            snapshot = also or (self.interval > 0 and step % self.interval == 0)
+        self._kind_before = self._last[1] if self._last is not None else None
         self._last = (now, snapshot)
         return snapshot
 

@@ -10,7 +10,7 @@ from elastictrain import TrainState
 from elastictrain.config import CheckpointConfig
 from elastictrain.runtime.checkpointing import StateCheckpointer
 from elastictrain.runtime.heartbeat import Heartbeat
-from elastictrain.runtime.snapshot_pacing import PROBE_STEPS, SnapshotPacer, interval_for
+from elastictrain.runtime.snapshot_pacing import BLOCK, PROBE_STEPS, SnapshotPacer, interval_for
 
 
 @pytest.mark.parametrize("cost, step, interval", [(0.0, 1.0, 1), (0.05, 1.0, 1), (0.051, 1.0, 2), (0.2, 1.0, 4),
@@ -19,14 +19,15 @@ def test_the_interval_is_the_smallest_that_keeps_the_cost_at_most_5_percent(cost
     assert interval_for(cost, step) == interval
 
 
-def _drive(pacer: SnapshotPacer, steps: int, plain_s: float, cost_s: float) -> list[int]:
-    """Step boundaries on a fake clock: a step takes `plain_s`, plus `cost_s` after a snapshot."""
-    now, snapshots, extra = [0.0], [], 0.0
+def _drive(pacer: SnapshotPacer, steps: int, plain_s: float, cost_s: float, tail_s: float = 0.0) -> list[int]:
+    """Step boundaries on a fake clock: a step takes `plain_s`, plus `cost_s` after a snapshot, plus `tail_s` one
+    step later (what the agent's replica of that snapshot, sent once its copy committed, takes from training)."""
+    now, snapshots, extra, tail = [0.0], [], 0.0, 0.0
     pacer._clock = lambda: now[0]
     for step in range(1, steps + 1):
         now[0] += plain_s + extra
         snap = pacer.due(step)
-        extra = cost_s if snap else 0.0
+        extra, tail = (cost_s if snap else 0.0) + tail, tail_s if snap else 0.0
         if snap:
             snapshots.append(step)
     return snapshots
@@ -36,7 +37,8 @@ def test_a_cheap_snapshot_is_taken_every_step_once_measured():
     pacer = SnapshotPacer("auto", agree=lambda n: n)
     snaps = _drive(pacer, PROBE_STEPS + 10, plain_s=1.0, cost_s=0.02)
     assert pacer.pace is not None and pacer.interval == 1
-    assert all(s % 2 == 0 for s in snaps if s <= PROBE_STEPS), "the probe snapshots every second step"
+    assert [s for s in snaps if s <= PROBE_STEPS] == [s for s in range(1, PROBE_STEPS + 1) if (s // BLOCK) % 2], \
+        "the probe alternates blocks of steps with and without snapshots"
     assert set(range(PROBE_STEPS + 2, PROBE_STEPS + 11)) <= set(snaps)
 
 
@@ -47,6 +49,16 @@ def test_a_costly_snapshot_is_spread_out_and_the_ranks_take_the_largest_interval
     slower_rank = SnapshotPacer("auto", agree=lambda n: max(n, 9))
     _drive(slower_rank, PROBE_STEPS + 4, plain_s=1.0, cost_s=0.34)
     assert slower_rank.interval == 9
+
+
+def test_what_a_snapshot_costs_the_step_after_next_its_replica_is_counted_as_its_cost():
+    """The copy costs 2% of the step after the snapshot and its replica 15% of the one after that. Every step, the
+    job runs 17% slower; alternating single steps (the probe before) saw the replica in the plain steps and chose
+    every step."""
+    pacer = SnapshotPacer("auto", agree=lambda n: n)
+    _drive(pacer, PROBE_STEPS + 4, plain_s=1.0, cost_s=0.02, tail_s=0.15)
+    assert abs(pacer.pace.cost_s - 0.17) < 1e-6 and abs(pacer.pace.step_s - 1.0) < 1e-6
+    assert pacer.interval == 4 and pacer.pace.overhead <= 0.05
 
 
 def test_a_fixed_interval_is_kept_and_a_due_durable_save_gets_its_snapshot():
