@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,32 +47,27 @@ def _raise(signum: int, frame: object) -> None:
     raise AgentSignalled(signal.Signals(signum))
 
 
-def _torch_handler() -> object:
-    return getattr(_mp_api, "_terminate_process_handler", None)
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+def _swap(old: Any, new: Any) -> None:
+    """Install `new` for each handled signal whose handler is `old` (on the main thread only, as Python requires)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _signals():
+        if signal.getsignal(sig) is old:
+            signal.signal(sig, new)
 
 
 def install() -> None:
     """Put ours where torch's handler is installed (cheap; call after anything that may start workers)."""
-    torch_handler = _torch_handler()
-    if torch_handler is None or not _main_thread():
-        return
-    for sig in _signals():
-        if signal.getsignal(sig) is torch_handler:
-            signal.signal(sig, _raise)
+    torch_handler = getattr(_mp_api, "_terminate_process_handler", None)
+    if torch_handler is not None:
+        _swap(torch_handler, _raise)
 
 
 def uninstall() -> None:
     """Put torch's handler back where ours is: outside the agent's run a signal is torch's `SignalException`."""
-    torch_handler = _torch_handler()
-    if torch_handler is None or not _main_thread():
-        return
-    for sig in _signals():
-        if signal.getsignal(sig) is _raise:
-            signal.signal(sig, torch_handler)  # type: ignore[arg-type]
+    torch_handler = getattr(_mp_api, "_terminate_process_handler", None)
+    if torch_handler is not None:
+        _swap(_raise, torch_handler)
 
 
 @contextmanager
