@@ -82,7 +82,6 @@ def run_one(config: str, size: str, work: Path, endpoint: str, measure: int, tim
         if not wait_steps(job, -1, last + 2, 2, timeout):
             return {"error": f"not {last + 2} steps on 2 nodes within {timeout:.0f} s"}
         done = job.watch.snapshot()
-        job.close()  # the agents stopped; their events stay in etcd
         two = sorted((c for c in done if c.world == 2), key=lambda c: c.step)
         mean, median = steady_step_s(done, first, last)
         return {"step_s": mean, "median_step_s": median, "steps": [first, last],

@@ -63,7 +63,8 @@ class SnapshotPacer:
                  target: float = TARGET_COST, clock: Callable[[], float] = time.monotonic):
         """`every`: an interval, or "auto"; `agree(n)`: the largest `n` over the ranks (a collective)."""
         self.auto = every == "auto"
-        self.interval: int = 2 if self.auto else int(every)
+        self.interval: int = 0 if self.auto else int(every)
+        """The steps between snapshots; with `auto`, 0 until the probe decided (it snapshots in blocks meanwhile)."""
         self.pace: Optional[Pace] = None
         self._agree, self._probe_steps, self._target, self._clock = agree, probe_steps, target, clock
         self._last: Optional[tuple[float, bool]] = None
