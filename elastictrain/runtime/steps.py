@@ -190,7 +190,7 @@ class StepLoop(InPlaceLoop):
                 log.warning("already at step %d of %d (resumed from %s): nothing to train; to start over, use "
                             "another checkpoint URL or resume='never'", st.step, self.total, self.resumed_from)
             while st.step < self.total:
-                maybe_inject(st.step, w.rank)
+                maybe_inject(st.step, w.rank, w.world_size)
                 t0 = time.monotonic()
                 yield st.step
                 done = False

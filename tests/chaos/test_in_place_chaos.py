@@ -334,69 +334,11 @@ def _wait_for_event(job: Job, what, timeout: float = 90) -> list:
         time.sleep(0.25)
 
 
-def test_a_node_started_after_a_shrink_grows_the_world_back_in_place(tmp_path, etcd, run_id, reference):
-    """Node b (rank 1) SIGKILLed for good in a 1:2 job: a goes on alone in place (a world of 1). Then b is started
-    again: it takes its old place in the running round (no new round), its worker waits in the group's rendezvous, and
-    a's worker, training meanwhile, stops at the next step boundary with that step's snapshot and re-forms a world of 2
-    with it, in place: a keeps its process, b's new worker copies its shards from a's node. Nothing is computed again,
-    every sample is used once, and the job ends bitwise where "2 ranks, then 1, then 2 from the same steps" ends."""
-    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
-    try:
-        # a alone steps slowly from step 10 on, so that b's new agent (imports on busy cores) comes before the end
-        # (at 600 ms a CI run's new agent took its place as a finished: the grow still pending at the end, next tests).
-        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1000,step=10,rank=0"})
-        b = job.start_node("b")
-        job.wait_for_step(FAULT_STEP, world_size=2)
-        survivor = job.wait_workers(a)
-        saved = job.valid_checkpoints()
-        b.kill()
-        for folder in snapshot_base().glob(f"*-{b.pid}"):
-            shutil.rmtree(folder)  # the node's RAM is gone with it
-        _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
-        b = job.start_node("b")
-        assert job.wait([a, b]) == [0, 0], job.logs()
-        evs = events(job)
-        dump = _dump(evs)
-        resumed = [e for e in evs if e.kind == "in_place_resumed"]
-        assert [(e.fields.get("from_world_size"), e.fields.get("to_world_size")) for e in resumed] == \
-            [(2, 1), (1, 2)], dump
-        shrunk_at, grown = resumed[0].fields["step"], resumed[1]
-        assert grown.fields.get("grew") and grown.fields["cause"] == "a node joined", dump
-        assert grown.fields["step"] == grown.fields["failed_step"], \
-            f"steps were computed again after the grow\n{_dump(evs)}"
-        grows = [e for e in evs if e.kind == "grow"]
-        assert {(e.fields["agent_pid"], e.fields["recorded_here"]) for e in grows} == {(b.pid, True), (a.pid, False)}, \
-            dump
-        assert all(e.fields["world_size"] == 2 for e in grows), dump
-        assert sum(1 for e in evs if e.kind == "join") == 3, \
-            f"a new round formed instead of growing in place\n{dump}\n{job.logs()}"
-        assert not [e for e in evs if e.kind == "restart"], \
-            f"workers were restarted instead of re-forming in place\n{_dump(evs)}"
-        (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
-        assert list(joined.values()) == list(survivor.values()), (joined, survivor)
-        # The snapshot of the step the group stopped at (the durable checkpoint instead when that step has one).
-        loaded = [e for e in evs if e.kind in ("checkpoint_snapshot_loaded", "checkpoint_loaded")]
-        assert loaded and loaded[-1].fields["step"] == grown.fields["step"], dump
-        grew_at = grown.fields["step"]
-        sizes = {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)}
-        summary = assert_recovered(job, saved, sizes)
-        ledger = compute(evs, now=time.time(), final_step=summary["final_step"])
-        assert "node joined" in [f.kind for f in ledger.faults], (ledger.faults, dump)
-        # Bitwise: the same history without faults, from the reference's checkpoints.
-        one = replay_on_one_rank(job, reference, shrunk_at, tmp_path / "one", stop_at=grew_at)
-        two = tmp_path / "two"
-        replay = run_recipe(two, 2, [*job.overrides, f"train.output_dir={two}", f"checkpoint.url={two}/ckpt",
-                                     f"checkpoint.resume={Reference({}, one).checkpoint(grew_at)}"])
-        assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items()
-                                                       if int(k) > grew_at}}, replay)
-    finally:
-        job.teardown()
-
-
 def _start_with_a_slow_survivor(job: Job) -> tuple:
-    """Nodes a and b at the fault step; a steps slowly (2 s) from step 12 (when it trains alone the job does not end
-    before a node started again is ready, also on a busy machine); returns a, b and the checkpoints committed."""
-    a = job.start_node("a", env={ENV_CHAOS: "slow@ms=2000,step=12,rank=0"})
+    """Nodes a and b at the fault step; a steps slowly from step 12, 2 s while it trains alone (the job does not end
+    before a node started again is ready, also on a busy machine), 0.5 s in a world of 2 (the job does not end before
+    the test's next fault); returns a, b and the checkpoints committed."""
+    a = job.start_node("a", env={ENV_CHAOS: "slow@ms=2000,step=12,rank=0,world=1;slow@ms=500,step=12,rank=0,world=2"})
     b = job.start_node("b")
     job.wait_for_step(FAULT_STEP, world_size=2)
     job.wait_workers(b)
@@ -411,17 +353,21 @@ def _lose_for_good(job: Job, node) -> None:
     _wait_for_event(job, lambda e: e.kind == "in_place_resumed" and e.fields.get("to_world_size") == 1)
 
 
-def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_back_and_is_not_a_second_job(
-        tmp_path, etcd, run_id):
-    """goodput.py's schedule (a worker kill, then a node kill, then the node back) once made the node that came back
-    form a round of its own, world size 1, beside the survivor's shrunk round: two jobs on the same checkpoints (seen
-    once at the tiny model; its cause, fixed, is pinned in rendezvous/test_in_place_shrink.py). Here: b's worker
-    SIGKILLed (replaced in place), then b SIGKILLed for good (a goes on alone in place), then b started again: it grows
-    the world back in place, and no round forms after the first. (a alone steps slowly, so that the grow comes before
-    the job's end; the next test covers a grow still pending at the end.)"""
+def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_back_in_place(
+        tmp_path, etcd, run_id, reference):
+    """goodput.py's schedule in a 1:2 job: b's worker SIGKILLed (replaced alone, in place), then node b (rank 1)
+    SIGKILLed for good, its RAM with it: a goes on alone in place (a world of 1). Then b is started again: it takes its
+    old place in the running round (no new round; this schedule once made the node that came back form a round of its
+    own, world size 1, beside the survivor's: two jobs on the same checkpoints; its cause is pinned in
+    rendezvous/test_in_place_shrink.py), its worker waits in the group's rendezvous, and a's worker, training
+    meanwhile, stops at the next step boundary with that step's snapshot and re-forms a world of 2 with it, in place:
+    a keeps its process, b's new worker copies its shards from a's node. Nothing is computed again, every sample is
+    used once, and the job ends bitwise where "2 ranks, then 1, then 2 from the same steps" ends. (a alone steps
+    slowly, so that the grow comes before the job's end; the next test covers a grow still pending at the end.)"""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
         a, b, saved = _start_with_a_slow_survivor(job)
+        survivor = job.wait_workers(a)
         signal_worker(b.pid, signal.SIGKILL)
         _wait_for_event(job, lambda e: e.kind == "in_place_resumed")
         job.wait_workers(b)
@@ -431,14 +377,41 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
         assert job.wait([a, b]) == [0, 0], job.logs()
         evs = events(job)
         dump = _dump(evs)
-        assert not [e for e in evs if e.kind == "join" and e.fields["agent_pid"] == b.pid and
-                    e.fields.get("world_size") == 1], f"the node that came back formed a round of its own\n{dump}"
-        assert {e.fields["agent_pid"] for e in evs if e.kind == "grow"} == {a.pid, b.pid}, dump
         resumed = [e for e in evs if e.kind == "in_place_resumed"]
         assert [(e.fields.get("from_world_size"), e.fields.get("to_world_size")) for e in resumed] == \
             [(None, None), (2, 1), (1, 2)], dump
-        shrunk_at, grew_at = resumed[1].fields["step"], resumed[2].fields["step"]
-        assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
+        shrunk_at, grown = resumed[1].fields["step"], resumed[2]
+        assert grown.fields.get("grew") and grown.fields["cause"] == "a node joined", dump
+        assert grown.fields["step"] == grown.fields["failed_step"], f"steps were computed again after the grow\n{dump}"
+        grows = [e for e in evs if e.kind == "grow"]
+        assert {(e.fields["agent_pid"], e.fields["recorded_here"]) for e in grows} == {(b.pid, True), (a.pid, False)}, \
+            dump
+        assert all(e.fields["world_size"] == 2 for e in grows), dump
+        assert not [e for e in evs if e.kind == "join" and e.fields["agent_pid"] == b.pid and
+                    e.fields.get("world_size") == 1], f"the node that came back formed a round of its own\n{dump}"
+        assert sum(1 for e in evs if e.kind == "join") == 3, \
+            f"a new round formed instead of growing in place\n{dump}\n{job.logs()}"
+        # The worker kill's replacement is a restart of that one rank, in place; nothing else restarted.
+        assert [e.fields["replaced_ranks"] for e in evs if e.kind == "restart"] == [[1]] and \
+            all(e.fields.get("in_place") for e in evs if e.kind == "restart"), \
+            f"workers were restarted instead of re-forming in place\n{dump}"
+        (joined,) = [e.fields["pids"] for e in evs if e.kind == "join" and e.fields["agent_pid"] == a.pid]
+        assert list(joined.values()) == list(survivor.values()), (joined, survivor)
+        # The snapshot of the step the group stopped at (the durable checkpoint instead when that step has one).
+        loaded = [e for e in evs if e.kind in ("checkpoint_snapshot_loaded", "checkpoint_loaded")]
+        assert loaded and loaded[-1].fields["step"] == grown.fields["step"], dump
+        grew_at = grown.fields["step"]
+        summary = assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
+        ledger = compute(evs, now=time.time(), final_step=summary["final_step"])
+        assert "node joined" in [f.kind for f in ledger.faults], (ledger.faults, dump)
+        # Bitwise: the same history without faults (the in-place worker replacement is bitwise at the same world
+        # size), from the reference's checkpoints.
+        one = replay_on_one_rank(job, reference, shrunk_at, tmp_path / "one", stop_at=grew_at)
+        two = tmp_path / "two"
+        replay = run_recipe(two, 2, [*job.overrides, f"train.output_dir={two}", f"checkpoint.url={two}/ckpt",
+                                     f"checkpoint.resume={Reference({}, one).checkpoint(grew_at)}"])
+        assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items()
+                                                       if int(k) > grew_at}}, replay)
     finally:
         job.teardown()
 

@@ -21,6 +21,7 @@ def test_both_forms_parse():
     assert parse_in_worker_fault("crash@step=10,rank=1") == InWorkerFault("crash", 10, 1)
     assert parse_in_worker_fault("slow@ms=50") == InWorkerFault("slow", 0, None, 50)
     assert parse_in_worker_fault("slow@ms=5,step=3,rank=0") == InWorkerFault("slow", 3, 0, 5)
+    assert parse_in_worker_fault("slow@ms=5,world=1") == InWorkerFault("slow", 0, None, 5, world=1)
 
 
 @pytest.mark.parametrize("spec, must_name", [
@@ -29,6 +30,7 @@ def test_both_forms_parse():
     ("slow@step=4", "ms=N is required"),
     ("crash@ms=5,step=1", "bad field 'ms=5'"),
     ("slow@ms=fast", "bad field 'ms=fast'"),
+    ("crash@step=1,world=1", "bad field 'world=1'"),
 ])
 def test_bad_specs_name_the_problem(spec, must_name):
     with pytest.raises(ValueError, match=must_name):
@@ -45,6 +47,17 @@ def test_a_straggler_waits_from_its_step_on_and_only_on_its_rank(monkeypatch):
     maybe_inject(2, 1)
     maybe_inject(7, 1)
     assert slept == [0.06, 0.06]
+
+
+def test_a_survivor_slowed_while_alone_steps_at_full_speed_once_the_world_grew(monkeypatch):
+    monkeypatch.setenv(ENV_CHAOS, "slow@ms=10,step=2,rank=0,world=2; slow@ms=40,step=2,rank=0,world=1")
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    maybe_inject(1, 0, world_size=2)  # before its step
+    maybe_inject(3, 0, world_size=2)  # before the shrink
+    maybe_inject(4, 0, world_size=1)  # alone
+    maybe_inject(5, 0, world_size=3)  # grown past both
+    assert slept == [0.01, 0.04]
 
 
 def test_a_crash_exits_with_the_chaos_code_at_its_step_only():
