@@ -744,7 +744,7 @@ class ElasticAgent(LocalElasticAgent):
         if not (stepped or now >= self._refill_by):
             return
         self._refill = False
-        started = self._warm.fill()
+        started = self._warm.fill(while_training=True)
         self._spares_announced = not started
         if started:
             log.info("refilling %d spare worker(s) %s", started, "after the group's first step" if stepped

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from elastictrain.agent.scratch import make_scratch_dir
-from elastictrain.runtime.warmstart import ENV_PREWARM, ENV_WARM_DIR, MODULE, parse_command, rank_file, ready_file
+from elastictrain.runtime.warmstart import (
+    ENV_IMPORT_NICE,
+    ENV_PREWARM,
+    ENV_WARM_DIR,
+    MODULE,
+    parse_command,
+    rank_file,
+    ready_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +111,14 @@ class RunArgs:
         return list(dict.fromkeys([*base, *listed]))
 
 
+REFILL_NICE = 19
+"""How much lower a refilled spare's CPU priority is while it imports (`warmstart.import_nicely`). Its imports are
+several CPU-seconds (torch, transformers, the recipe): at normal priority on a node whose cores the workers use they
+slowed the 2-3 steps after each recovery (goodput.py at 50M on 2 cores: steps of 2.6 s took 3.2-3.9 s); at nice 19
+they take the cores the workers leave idle. A fault before they finish: the spare is assigned anyway, back at normal
+priority, and finishes its imports then."""
+
+
 class Spare:
     """One idle pre-warmed process, the agent's child."""
 
@@ -164,12 +180,15 @@ class WarmPool:
         self.served = 0
         self.cold = 0
 
-    def fill(self) -> int:
-        """Start spares until `size` are alive; returns how many were started."""
+    def fill(self, while_training: bool = False) -> int:
+        """Start spares until `size` are alive; returns how many were started. `while_training`: a refill beside a
+        running group, whose imports run at `REFILL_NICE` where the spare can restore its priority when assigned."""
         self._spares = [s for s in self._spares if s.alive()]
         while len(self._spares) > self.size:
             self._spares.pop().dismiss()
         env = {**os.environ, ENV_WARM_DIR: self.dir, ENV_PREWARM: ",".join(self.prewarm)}
+        if while_training:
+            env[ENV_IMPORT_NICE] = str(REFILL_NICE)
         started = 0
         while len(self._spares) < self.size:
             try:

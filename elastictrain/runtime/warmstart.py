@@ -27,7 +27,7 @@ import os
 import runpy
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn, Optional, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
 from elastictrain.runtime.allocator import tune_malloc
 from elastictrain.runtime.heartbeat import die_with_parent
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 ENV_WARM_DIR = "ELASTICTRAIN_WARM_DIR"
 ENV_PREWARM = "ELASTICTRAIN_PREWARM"
+ENV_IMPORT_NICE = "ELASTICTRAIN_SPARE_IMPORT_NICE"
+"""Set for a spare started while the job trains (a refill): import at this much lower CPU priority (`import_nicely`)."""
 MODULE = "elastictrain.runtime.warmstart"
 RUN_NOW = "--run-now"
 """First argument of a worker started cold through this module (`cold_command`): run the command that follows."""
@@ -128,6 +130,80 @@ def _prewarm(target: Target, modules: Sequence[str]) -> None:
         log.debug("pre-warming %s failed (%s); the worker will import it cold", target.module, e)
 
 
+def import_nicely(nice: str) -> Callable[[], None]:
+    """Lower this thread's CPU priority by `nice` (a refill's imports, several CPU-seconds, then take the cores only
+    when the training workers leave them idle); returns what puts it back, called when the spare is assigned or
+    dismissed. Only where the priority can be raised again (root, CAP_SYS_NICE or RLIMIT_NICE; tried first in a
+    throwaway thread: Linux keeps the nice value per thread): an unprivileged process cannot, and a worker left at a
+    low priority would hold back the whole group. Elsewhere the spare imports at normal priority, as before. An
+    assignment that arrives while the imports still run restores the priority at once (a thread waits for it)."""
+    def nothing() -> None:
+        return None
+
+    if not nice.strip().isdigit() or int(nice) <= 0 or not _can_raise_priority_again():
+        return nothing
+    import select
+    import threading
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    main = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, main, min(19, base + int(nice)))
+    except OSError:
+        return nothing
+    restored = threading.Lock()
+
+    def restore() -> None:
+        if not restored.acquire(blocking=False):
+            return
+        # Every thread: those the imports started (one, from torch) inherited the lower priority.
+        for tid in [main, *(int(t) for t in _tasks() if int(t) != main)]:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) > base:
+                    os.setpriority(os.PRIO_PROCESS, tid, base)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+            except OSError as e:  # the probe said it could: log it, the worker runs on at the lower priority
+                log.warning("spare worker could not restore the CPU priority %d of thread %d: %s", base, tid, e)
+
+    def on_assignment() -> None:  # an assignment (or the end of input) while still importing: at full speed now
+        try:
+            select.select([sys.stdin.buffer], [], [])
+        except (OSError, ValueError):
+            pass
+        restore()
+
+    threading.Thread(target=on_assignment, name="spare-priority", daemon=True).start()
+    return restore
+
+
+def _tasks() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:
+        return []
+
+
+def _can_raise_priority_again() -> bool:
+    import threading
+
+    result: list[bool] = []
+
+    def probe() -> None:  # this thread's nice value only (who=0 is the calling thread on Linux)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, base + 1)
+            os.setpriority(os.PRIO_PROCESS, 0, base)
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="nice-probe")
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
+
+
 def _redirect(fd: int, path: Optional[str]) -> None:
     if path:
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -169,11 +245,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(work)
     target = parse_command(argv)
     _path_as_python_sets_it(target)
+    restore = import_nicely(os.environ.pop(ENV_IMPORT_NICE, ""))
     _prewarm(target, [m for m in os.environ.get(ENV_PREWARM, "").split(",") if m])
     warm_dir = os.environ.get(ENV_WARM_DIR)
     if warm_dir:
         open(ready_file(warm_dir, os.getpid()), "w").close()
     line = sys.stdin.buffer.readline()
+    restore()
     if not line.strip():
         return 0
     assignment = json.loads(line)

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastictrain.agent.spares import WarmPool
-from elastictrain.runtime.warmstart import assigned_rank, idle_spares
+from elastictrain.agent.spares import REFILL_NICE, WarmPool
+from elastictrain.runtime.warmstart import _can_raise_priority_again, assigned_rank, idle_spares
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,12 +50,53 @@ def test_a_spare_imports_ahead_then_runs_the_worker_as_assigned(tmp_path, in_rep
         assert assigned_rank(handler.proc.pid, psutil.Process(handler.proc.pid).environ()) == 7
         assert handler.proc.wait(timeout=60) == 0
         ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
-        assert ran == {"rank": "7", "argv": [str(tmp_path)], "name": "__main__", "prewarmed": True}
+        assert ran == {"rank": "7", "argv": [str(tmp_path)], "name": "__main__", "prewarmed": True,
+                       "nice": os.getpriority(os.PRIO_PROCESS, 0)}
         assert (tmp_path / "out.log").read_text() == "worker 7 says hello\n"
         assert idle_spares(os.getpid()) == (0, 0)
         assert pool.served == 1 and pool.serve(0, args, {"RANK": "0"}, None, None) is None  # empty: start cold
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(not _can_raise_priority_again(), reason="needs CAP_SYS_NICE or RLIMIT_NICE (else: normal priority)")
+def test_a_refill_imports_at_low_priority_and_works_at_normal_priority_once_assigned(tmp_path, in_repo):
+    """A spare refilled while the job trains imports at nice 19 (the workers keep the cores); assigned while still
+    importing, it is back at the agent's priority at once, all its threads, and so is the worker it becomes."""
+    args = ("-u", "-m", MODULE, str(tmp_path))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    (tmp_path / "hold").touch()  # the spare's imports go on until the file is gone
+    pool = WarmPool(sys.executable, args, size=1)
+    try:
+        assert pool.fill(while_training=True) == 1
+        assert _wait(lambda: list(tmp_path.glob("prewarmed-*")))
+        (prewarmed,) = tmp_path.glob("prewarmed-*")
+        assert int(prewarmed.read_text()) == min(19, base + REFILL_NICE)
+        handler = pool.serve(0, args, {"RANK": "0"}, None, None)
+        assert handler is not None
+        assert _wait(lambda: _thread_nices(handler.proc.pid) == {base}, timeout=10), _thread_nices(handler.proc.pid)
+        (tmp_path / "hold").unlink()
+        assert handler.proc.wait(timeout=60) == 0
+        ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
+        assert ran["nice"] == base and ran["prewarmed"]
+        prewarmed.unlink()
+        assert pool.fill() == 1 and _wait(lambda: pool.ready() == 1)  # the first spares: nothing trains yet
+        (first,) = tmp_path.glob("prewarmed-*")
+        assert int(first.read_text()) == base
+    finally:
+        pool.close()
+
+
+def _thread_nices(pid: int) -> set[int]:
+    """The nice value of each of the process's threads (/proc/PID/task/TID/stat field 19)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
 
 
 def test_the_worker_exit_code_reaches_the_agent(tmp_path, in_repo):

@@ -152,3 +152,15 @@ print("initialized after:", dist.is_initialized())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["aborted, initialized: True", "initialized after: False"], proc.stdout
+
+
+def test_a_spare_that_could_not_raise_its_priority_again_imports_at_normal_priority(monkeypatch):
+    """Unprivileged (no CAP_SYS_NICE, RLIMIT_NICE 0): lowering it would leave the worker slow for good."""
+    from elastictrain.runtime import warmstart
+
+    monkeypatch.setattr(warmstart, "_can_raise_priority_again", lambda: False)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    restore = warmstart.import_nicely("19")
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    restore()
+    assert warmstart.import_nicely("") is not None and os.getpriority(os.PRIO_PROCESS, 0) == before
