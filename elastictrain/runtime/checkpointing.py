@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -32,7 +33,7 @@ from elastictrain.checkpoint.snapshot_reshard import (
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import SnapshotError, SnapshotReplicaError
 from elastictrain.runtime.heartbeat import Heartbeat
-from elastictrain.runtime.snapshot_pacing import TARGET_COST, Pace, SnapshotPacer
+from elastictrain.runtime.snapshot_pacing import TARGET_COST, Pace, SnapshotPacer, remember, remembered
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class StateCheckpointer:
         """A durable save due at this step, to be written from its snapshot once that is committed."""
         self._hook: Optional[RemovableHandle] = None
         self._pacer: Optional[SnapshotPacer] = None
+        self._pace_key: tuple = ()
+        """(run, config fingerprint, world size): what the pace this process decided is remembered under."""
         self._fresh = state.step == 0
         """A run from its start, nothing restored: snapshots that do not fit stop it (a ConfigError at start-up);
         once it trained or resumed, they are skipped and retried instead (`_no_room`) and the durable tier goes on."""
@@ -119,7 +122,11 @@ class StateCheckpointer:
             room = room_check(cfg.snapshot_memory, Path(root), local_ranks, replica=world_size > local_ranks,
                               durable=self.mgr.saves_from_snapshots, fatal=lambda: self._fresh)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
-            self._pacer = SnapshotPacer(cfg.snapshot_every_steps, agree=self.mgr.agree_max)
+            # Without a run id (not under an agent) nothing tells two jobs of this process apart: nothing carried.
+            self._pace_key = (identity["run"], json.dumps(fingerprint, sort_keys=True, default=str), world_size) \
+                if identity["run"] else ()
+            self._pacer = SnapshotPacer(cfg.snapshot_every_steps, agree=self.mgr.agree_max,
+                                        carried=remembered(self._pace_key) if self._pace_key else None)
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
             # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
             self._hook = register_optimizer_step_pre_hook(lambda *_: self._finish_snapshot())
@@ -340,11 +347,16 @@ class StateCheckpointer:
             self._snapshot(step)
 
     def _paced(self, pace: Pace) -> None:
-        log.info("in-memory snapshots every %d step(s): one costs %.3f s against a %.3f s step (%.1f%% at that "
-                 "interval; target %.0f%%)", pace.interval, pace.cost_s, pace.step_s, 100 * pace.overhead,
-                 100 * TARGET_COST)
+        assert self._pacer is not None
+        if self._pace_key:
+            remember(self._pace_key, pace)
+        carried = self._pacer.carried_over
+        log.info("in-memory snapshots every %d step(s)%s: one costs %.3f s against a %.3f s step (%.1f%% at that "
+                 "interval; target %.0f%%)", pace.interval, ", as the group before decided" if carried else "",
+                 pace.cost_s, pace.step_s, 100 * pace.overhead, 100 * TARGET_COST)
         self._emit("checkpoint_snapshot_interval", {"interval": pace.interval, "cost_s": pace.cost_s,
-                                                    "step_s": pace.step_s, "overhead": pace.overhead})
+                                                    "step_s": pace.step_s, "overhead": pace.overhead,
+                                                    "carried": carried})
 
     def after_step(self, *, final: bool, stopping: bool, regrouping: bool = False, owed: bool = False) -> bool:
         """The durable save of this step, if due (or `owed`: one deferred at the boundary before). `regrouping`: the

@@ -15,6 +15,12 @@ step's: in a 2-node job at 150M it measured 0.97 s per snapshot against the bloc
 3rd step instead of every 7th; benchmarks/snapshot_pace.py). The interval is the smallest n with
 c / (n s) <= target, at most `max_interval`. Every rank measures; the ranks take the largest interval (one small
 all_reduce, once), so that they snapshot the same steps (the blocks are numbered by step, the same on every rank).
+
+A group re-formed in place (a worker replaced, `elastic.in_place`) keeps the interval its survivors decided: the
+checkpointer is new, but the process remembers the pace it decided (`remember`, per run, config and world size) and
+the new group's ranks agree on it at their first step (one more small all_reduce; a replacement knows none, the
+survivors' count), instead of probing again for 18 steps, during which a crash could recompute up to 3 steps. A
+world of another size, or a restart (new processes), probes again.
 """
 
 from __future__ import annotations
@@ -31,6 +37,17 @@ PROBE_STEPS = 18
 BLOCK = 3
 """Steps per probe block: the first step of a block carries the last one's work, the other two are counted."""
 MAX_INTERVAL = 100
+
+_remembered: dict[tuple, "Pace"] = {}
+"""The pace this process decided or adopted, per (run, config fingerprint, world size): for the next group."""
+
+
+def remember(key: tuple, pace: "Pace") -> None:
+    _remembered[key] = pace
+
+
+def remembered(key: tuple) -> Optional["Pace"]:
+    return _remembered.get(key)
 
 
 @dataclass(frozen=True)
@@ -60,9 +77,15 @@ class SnapshotPacer:
     """Says which steps to snapshot: `due(step)` at each step boundary; fixed, or measured first (`auto`)."""
 
     def __init__(self, every: int | str, agree: Callable[[int], int], probe_steps: int = PROBE_STEPS,
-                 target: float = TARGET_COST, clock: Callable[[], float] = time.monotonic):
-        """`every`: an interval, or "auto"; `agree(n)`: the largest `n` over the ranks (a collective)."""
+                 target: float = TARGET_COST, clock: Callable[[], float] = time.monotonic,
+                 carried: Optional[Pace] = None):
+        """`every`: an interval, or "auto"; `agree(n)`: the largest `n` over the ranks (a collective); `carried`:
+        with "auto", the pace this process decided in the group before (see the module's docstring)."""
         self.auto = every == "auto"
+        self._carried = carried
+        self.carried_over = False
+        """The interval was agreed from the group before's, not measured by this group."""
+        self._checked_carry = not self.auto
         self.interval: int = 0 if self.auto else int(every)
         """The steps between snapshots; with `auto`, 0 until the probe decided (it snapshots in blocks meanwhile)."""
         self.pace: Optional[Pace] = None
@@ -78,6 +101,12 @@ class SnapshotPacer:
         """Whether to snapshot at this step boundary (the same answer on every rank); call once per step, on every
         rank. `also`: snapshot anyway (a durable save is due, and is written from the snapshot)."""
         now = self._clock()
+        if not self._checked_carry:  # the first boundary, on every rank: one collective
+            self._checked_carry = True
+            agreed = self._agree(self._carried.interval if self._carried is not None else 0)
+            if agreed > 0:
+                kept = self._carried or Pace(agreed, 0.0, 0.0)
+                self.interval, self.pace, self.carried_over = agreed, Pace(agreed, kept.cost_s, kept.step_s), True
         probing = self.auto and self.pace is None
         if probing:
             if self._last is not None and self._kind_before == self._last[1]:

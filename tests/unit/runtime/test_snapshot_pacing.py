@@ -61,6 +61,29 @@ def test_what_a_snapshot_costs_the_step_after_next_its_replica_is_counted_as_its
     assert pacer.interval == 4 and pacer.pace.overhead <= 0.05
 
 
+def test_a_group_re_formed_in_place_keeps_the_interval_its_survivors_decided_and_probes_no_more():
+    """The survivor's new checkpointer carries the pace; the replacement knows none: both take the survivor's at
+    their first step (the one collective) and snapshot its steps from there; a group where nobody carries one probes."""
+    agreed: list[int] = []
+
+    def agree(n: int) -> int:
+        agreed.append(n)
+        return max(n, 0)
+
+    before = SnapshotPacer("auto", agree=lambda n: n)
+    _drive(before, PROBE_STEPS + 2, plain_s=1.0, cost_s=0.34)
+    assert before.interval == 7
+    survivor = SnapshotPacer("auto", agree=agree, carried=before.pace)
+    replacement = SnapshotPacer("auto", agree=lambda n: max(n, 7))  # the survivor's value comes through the max
+    steps = range(30, 45)
+    assert [s for s in steps if survivor.due(s)] == [s for s in steps if replacement.due(s)] == [35, 42]
+    assert agreed == [7] and survivor.carried_over and replacement.carried_over
+    assert replacement.pace is not None and replacement.interval == 7
+    fresh = SnapshotPacer("auto", agree=agree)
+    snaps = _drive(fresh, BLOCK * 2, plain_s=1.0, cost_s=0.34)
+    assert agreed == [7, 0] and fresh.pace is None and snaps == [s for s in range(1, BLOCK * 2 + 1) if (s // BLOCK) % 2]
+
+
 def test_a_fixed_interval_is_kept_and_a_due_durable_save_gets_its_snapshot():
     pacer = SnapshotPacer(3, agree=lambda n: pytest.fail("a fixed interval needs no agreement"))
     assert [s for s in range(1, 10) if pacer.due(s, also=s == 4)] == [3, 4, 6, 9]
