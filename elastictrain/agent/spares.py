@@ -115,9 +115,9 @@ REFILL_NICE = 19
 """How much lower a refilled spare's CPU priority is while it imports (`warmstart.import_nicely`). Its imports are
 several CPU-seconds (torch, transformers, the recipe): at normal priority on a node whose cores the workers use they
 slowed the 2-3 steps after each recovery (goodput.py at 50M on 2 cores: steps of 2.6 s took 3.2-3.9 s); at nice 19
-they take the cores the workers leave idle (same benchmark, before/after: 3-8 % more useful steps per second under
-faults). A fault before they finish: the spare is assigned anyway, back at normal priority, and finishes its imports
-then."""
+they take the cores the workers leave idle (same benchmark at 50M, before/after, 2 rounds: 3-8 % more useful steps
+per second under faults; not shown at the tiny model, where the runs' fault-free pace differed more). A fault before
+they finish: the spare is assigned anyway, back at normal priority, and finishes its imports then."""
 
 
 class Spare:

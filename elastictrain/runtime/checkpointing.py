@@ -126,7 +126,7 @@ class StateCheckpointer:
             self._pace_key = (identity["run"], json.dumps(fingerprint, sort_keys=True, default=str), world_size) \
                 if identity["run"] else ()
             self._pacer = SnapshotPacer(cfg.snapshot_every_steps, agree=self.mgr.agree_max,
-                                        carried=remembered(self._pace_key) if self._pace_key else None)
+                                        carried=remembered(self._pace_key))
             # Parameters and optimizer state are copied while the next step's forward and backward run; its
             # optimizer step waits for the copy (a global pre-hook: any optimizer, the user's own included).
             self._hook = register_optimizer_step_pre_hook(lambda *_: self._finish_snapshot())

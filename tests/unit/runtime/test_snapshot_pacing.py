@@ -68,7 +68,7 @@ def test_a_group_re_formed_in_place_keeps_the_interval_its_survivors_decided_and
 
     def agree(n: int) -> int:
         agreed.append(n)
-        return max(n, 0)
+        return n
 
     before = SnapshotPacer("auto", agree=lambda n: n)
     _drive(before, PROBE_STEPS + 2, plain_s=1.0, cost_s=0.34)
