@@ -147,7 +147,7 @@ class SnapshotStore:
                  check_room: Optional[Callable[[int], None]] = None):
         """`check_room(bytes)`: called before the slots are first reserved, and when the state grew (it raises
         when the node cannot hold them: `snapshot_budget.room_check`)."""
-        self.dir = Path(root) / f"rank{rank}"
+        self.dir, self.rank = Path(root) / f"rank{rank}", rank
         self._check_room, self._room_checked = check_room, 0
         self.identity = json.loads(json.dumps(identity, sort_keys=True, default=str))
         self._buffers: dict[int, torch.Tensor] = {}
@@ -285,9 +285,26 @@ class SnapshotStore:
         return hit[1], hit[2]
 
     def wait(self) -> Optional[SnapshotInfo]:
-        """Finish the save in flight, if any: its commit info, or the error that stopped it (raised once)."""
+        """Finish the save in flight, if any: its commit info, or the error that stopped it (raised once). A copy
+        cancelled by `live(cancel=True)` stops at its next tensor and returns None: nothing committed, no error."""
         pending, self._pending = self._pending, None
         return pending.join() if pending is not None else None
+
+    def live(self, cancel: bool = False) -> Optional["LiveSnapshot"]:
+        """The save in flight, read where its bytes are now (`LiveSlot`): the deferred tensors from the live state,
+        the rest from the slot, where `save` copied it before it returned. None when nothing is in flight or its
+        tensors are on a device. The caller promises what `save` asked for, for as long as it reads: the deferred
+        tensors are not changed in place (a grow in place drops the old model and builds a new one: they stay as
+        they were). `cancel`: the copy stops at its next tensor, the slot stays uncommitted (no one else reads it)."""
+        pending = self._pending
+        if pending is None or any(t.device.type != "cpu" for t, *_ in pending.copies):
+            return None
+        info = SnapshotInfo(step=pending.step, slot=pending.slot, nbytes=pending.nbytes, checksum=0,
+                            identity=self.identity)
+        out = LiveSnapshot(self.rank, info, LiveSlot(pending.buf, pending.nbytes, pending.copies))
+        if cancel:
+            pending.cancel.set()
+        return out
 
     @property
     def in_flight(self) -> bool:
@@ -420,6 +437,57 @@ class SnapshotStore:
         self._buffers.clear()
 
 
+@dataclass(frozen=True)
+class LiveSnapshot:
+    """A snapshot whose copy was in flight, served from where its bytes are (`SnapshotStore.live`); `info.checksum`
+    is 0: nothing was committed, the bytes are the live state's own."""
+
+    rank: int
+    """The rank that took it (its slot folder is `rank<rank>`), in the world of `info.identity["world_size"]`."""
+    info: SnapshotInfo
+    slot: "LiveSlot"
+
+
+class LiveSlot:
+    """A slot's bytes as `read_slot` would give them once its copy is committed, taken where they are now: byte
+    ranges that lie inside one deferred tensor are views of it (no copy), others are assembled."""
+
+    def __init__(self, buf: torch.Tensor, nbytes: int, copies: list[tuple[torch.Tensor, int, int, bool]]):
+        self._buf, self.nbytes = buf, nbytes
+        self._pieces = sorted(((off, n, t) for t, off, n, _ in copies if n), key=lambda p: p[0])
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def _segments(self, a: int, b: int) -> Iterator[torch.Tensor]:
+        at = a
+        for off, n, t in self._pieces:
+            if off + n <= at:
+                continue
+            if off >= b:
+                break
+            if off > at:
+                yield self._buf[at:off]
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            yield raw[max(at, off) - off:min(b, off + n) - off]
+            at = min(b, off + n)
+        if at < b:
+            yield self._buf[at:b]
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        a, b, step = key.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("a live slot is read in contiguous byte ranges")
+        parts = list(self._segments(a, b)) if b > a else []
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+class _Cancelled(Exception):
+    pass
+
+
 class _Copy:
     """The deferred part of one save, on its own thread: the copies, then the checksum and the commit marker."""
 
@@ -427,6 +495,8 @@ class _Copy:
                  copies: list[tuple[torch.Tensor, int, int, bool]], ready: Optional[Any]):
         self.info: Optional[SnapshotInfo] = None
         self.error: Optional[BaseException] = None
+        self.step, self.slot, self.buf, self.nbytes, self.copies = step, slot, buf, nbytes, copies
+        self.cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store, step, slot, buf, nbytes, copies, ready),
                                         name=f"snapshot-{step}", daemon=True)
         self._thread.start()
@@ -441,16 +511,20 @@ class _Copy:
                     _copy_into(buf, copies)
                 stream.synchronize()
             else:
-                _copy_into(buf, copies)
+                _copy_into(buf, copies, self.cancel)
+            if self.cancel.is_set():
+                raise _Cancelled()
             self.info = store._commit(step, slot, buf, nbytes)
+        except _Cancelled:
+            log.debug("the snapshot copy of step %d was cancelled: its slot stays uncommitted", step)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             self.error = e
 
-    def join(self) -> SnapshotInfo:
+    def join(self) -> Optional[SnapshotInfo]:
         self._thread.join()
         if self.error is not None:
             raise self.error
-        assert self.info is not None
+        assert self.info is not None or self.cancel.is_set()
         return self.info
 
 
@@ -485,8 +559,11 @@ def storage_key(t: torch.Tensor) -> int:
     return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
 
 
-def _copy_into(buf: torch.Tensor, copies: list[tuple[torch.Tensor, int, int, bool]]) -> None:
+def _copy_into(buf: torch.Tensor, copies: list[tuple[torch.Tensor, int, int, bool]],
+               cancel: Optional[threading.Event] = None) -> None:
     for t, off, n, _ in copies:
+        if cancel is not None and cancel.is_set():
+            return
         buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 

@@ -76,6 +76,9 @@ class Holding:
     rank: int
     world_size: int
     info: SnapshotInfo
+    live: bool = False
+    """Not a committed slot: the snapshot whose copy was in flight when the group re-formed to grow, served by the
+    process that took it from its live state (`SnapshotStore.live`; its layout is in the slot's folder already)."""
 
     @property
     def replica(self) -> bool:
@@ -309,8 +312,13 @@ class Reshard:
     """One rank's restore of a `Candidate` into `state` (a DCP state dict: Stateful or plain values)."""
 
     def __init__(self, candidate: Candidate, shards: dict[int, list[Shard]], state: dict[str, Any], root: Path,
-                 node: str):
+                 node: str, live: Optional[dict[int, Any]] = None):
+        """`live`: old rank -> the `LiveSlot` of its snapshot that this process took (a grow in place), read instead
+        of a committed slot."""
         self.candidate, self.state, self.root, self.node = candidate, state, root, node
+        self.live = live or {}
+        self.read_live = 0
+        """How many old ranks' snapshots this rank read (or served) from the live state."""
         self.template = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()
                          if not is_per_rank_key(k)}
         flat, self.mappings = flatten_state_dict(self.template)
@@ -402,6 +410,13 @@ class Reshard:
             return
         holding = self._local_holding(rank)
         assert holding is not None
+        if holding.live:
+            if rank not in self.live:  # one process per node serves a live snapshot (runtime/checkpointing.py)
+                raise ValueError(f"old rank {rank}'s snapshot of step {holding.info.step} on node {self.node} is held "
+                                 f"by another process's live state")
+            self.reader.buffers[rank] = self.live[rank]
+            self.read_live += 1
+            return
         try:
             self.reader.buffers[rank] = read_slot(self.root / holding.path, holding.info)
         except ValueError as e:

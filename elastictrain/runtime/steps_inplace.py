@@ -165,14 +165,23 @@ class InPlaceLoop:
         self._pausing = True
         log.warning("a node's workers wait to join at step %d: re-forming a bigger world in place", step)
         w.heartbeat.beat(step, "paused")
+        live = None
         if self.checkpointer is not None:
-            self.checkpointer.hand_over()
+            # A bigger world builds a new model (`rebuild_state`) and leaves the old one's tensors as they are: the
+            # new group can read this step's snapshot from them instead of waiting for its copy.
+            try:
+                world = in_place.world_at(int(generation.item()))
+            except Exception as e:  # noqa: BLE001 - etcd unreachable: the re-form meets it and falls back
+                log.debug("could not read the grown world's size: %s", e)
+                world = None
+            live = self.checkpointer.hand_over(live=world is not None and world.size > w.world_size)
             self.checkpointer = None
-        self._resume_in_place(int(generation.item()), step, started, "a node joined")
+        self._resume_in_place(int(generation.item()), step, started, "a node joined", live=live)
 
-    def _resume_in_place(self, generation: int, failed_step: int, started: float, cause: str) -> None:
+    def _resume_in_place(self, generation: int, failed_step: int, started: float, cause: str,
+                         live: Any = None) -> None:
         """Rebuild the process group of `generation` (a smaller world: the model too) and continue from the newest
-        snapshot every rank holds."""
+        snapshot every rank holds (`live`: one served from the group before's state, `StateCheckpointer.live`)."""
         w, st = self.worker, self.state
         in_place = w.in_place
         assert in_place is not None and self._checkpointer is not None
@@ -187,6 +196,9 @@ class InPlaceLoop:
             w.rebuild_group(generation)
             parts["group"] = time.monotonic() - t0 - parts.get("model", 0.0)
             self.checkpointer = self._checkpointer()
+            if self.checkpointer is not None:
+                self.checkpointer.live = live
+            del live
             t0 = time.monotonic()
             self._start(recovering=True)
             parts["check"] = time.monotonic() - t0 - parts.get("restore", 0.0)

@@ -361,6 +361,8 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
         # The snapshot of the step the group stopped at (the durable checkpoint instead when that step has one).
         loaded = [e for e in evs if e.kind in ("checkpoint_snapshot_loaded", "checkpoint_loaded")]
         assert loaded and loaded[-1].fields["step"] == grown.fields["step"], dump
+        # ... read by a's worker from its own state, without waiting for that snapshot's copy (bitwise below).
+        assert loaded[-1].fields.get("live_slots"), dump
         grew_at = grown.fields["step"]
         summary = assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
         ledger = compute(evs, now=time.time(), final_step=summary["final_step"])

@@ -4,10 +4,14 @@ tensors. FSDP2 shards over real processes: tests/integration/checkpoint/test_sna
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from elastictrain.checkpoint.replica_wire import REPLICAS_DIR
-from elastictrain.checkpoint.snapshot import SnapshotInfo, SnapshotStore, _leaves
+from elastictrain.checkpoint.snapshot import SnapshotInfo, SnapshotStore, _leaves, read_layout, read_slot, storage_key
 from elastictrain.checkpoint.snapshot_reshard import (
     Holding,
     Reshard,
@@ -72,3 +76,85 @@ def test_a_snapshot_of_two_ranks_holding_plain_tensors_loads_at_one_from_one_of_
     finally:
         reshard.close()
     assert _same(fresh, state) and fresh.extras["scheduler"].last_epoch == 2
+
+
+def _held_copy(monkeypatch):
+    """Deferred copies wait until the returned event is set: a snapshot stays in flight while a test reads it."""
+    from elastictrain.checkpoint import snapshot
+
+    go, real = threading.Event(), snapshot._copy_into
+
+    def copy_into(buf, copies, cancel=None):
+        if copies and copies[0][3]:  # the deferred part, on the copy thread
+            go.wait(10)
+        real(buf, copies, cancel)
+
+    monkeypatch.setattr(snapshot, "_copy_into", copy_into)
+    return go
+
+
+def _deferred(optim) -> frozenset:
+    """What the step loop defers: the optimizer's parameters and state."""
+    tensors = [p for group in optim.param_groups for p in group["params"]]
+    return frozenset(storage_key(t) for t in tensors + [v for per in optim.state.values() for v in per.values()
+                                                        if isinstance(v, torch.Tensor)])
+
+
+def test_a_snapshot_in_flight_is_served_from_the_live_state_as_its_committed_slot_would_be(tmp_path, monkeypatch):
+    """A grow in place reads the boundary's snapshot where its bytes are instead of waiting for its copy: every byte
+    range, inside one tensor or across several, is what the committed slot holds; a cancelled copy commits nothing
+    and raises nothing."""
+    state, model, optim = _state(0)
+    for _ in range(2):
+        _train(state, model, optim)
+    committed = SnapshotStore(tmp_path / "a", 0, JOB)
+    committed.save(2, state.checkpoint_state(0))
+    info = committed.available()[0][0]
+    whole = read_slot(committed.dir, info)
+    go = _held_copy(monkeypatch)
+    store = SnapshotStore(tmp_path / "b", 0, JOB)
+    assert store.save(2, state.checkpoint_state(0), later=_deferred(optim)) is None, "the copy must be in flight"
+    live = store.live(cancel=True)
+    assert live is not None and live.rank == 0 and (live.info.step, live.info.nbytes) == (2, info.nbytes)
+    go.set()
+    assert store.wait() is None and store.available() == ([], []), "a cancelled copy commits nothing"
+    n = info.nbytes
+    for a, b in [(0, n), (0, 1), (n - 3, n), (5, n // 2), (n // 3, n // 3 + 7), (n // 2, n // 2)]:
+        assert torch.equal(live.slot[a:b], whole[a:b]), (a, b)
+    layout = read_layout(store.dir, live.info)["layout"]  # written before the copy started
+    for _, _, _, off, size in layout:
+        assert torch.equal(live.slot[off:off + size], whole[off:off + size])
+
+
+def test_a_restore_at_another_world_size_loads_an_old_ranks_live_snapshot_and_no_one_else_reads_it(tmp_path,
+                                                                                                  monkeypatch):
+    state, model, optim = _state(0)
+    for _ in range(2):
+        _train(state, model, optim)
+    SnapshotStore(tmp_path / REPLICAS_DIR / "b", 1, TWO).save(2, state.checkpoint_state(0))  # old rank 1, replicated
+    go = _held_copy(monkeypatch)
+    own = SnapshotStore(tmp_path, 0, TWO)
+    own.save(2, state.checkpoint_state(0), later=_deferred(optim))
+    live = own.live(cancel=True)
+    go.set()
+    own.wait()
+    assert live is not None
+    holding = Holding(node_name(tmp_path), "rank0", 0, 2, live.info, live=True)
+    candidate, _ = newest_complete(scan(tmp_path, JOB) + [holding], world_size=1)
+    assert candidate is not None and candidate.step == 2 and candidate.holders[0] == (holding,)
+    shards = {r: read_shards(tmp_path, holders[0]) for r, holders in enumerate(candidate.holders)}
+    for served in (True, False):
+        fresh, _, _ = _state(9)
+        reshard = Reshard(candidate, shards, fresh.checkpoint_state(0, for_load=True), tmp_path,
+                          node_name(tmp_path), live={0: live.slot} if served else None)
+        try:
+            assert reshard.plan() == {0}
+            if not served:
+                with pytest.raises(ValueError, match="held by another process's live state"):
+                    reshard.obtain({0})
+                continue
+            reshard.obtain({0})
+            reshard.load()
+        finally:
+            reshard.close()
+        assert _same(fresh, state) and fresh.extras["scheduler"].last_epoch == 2
