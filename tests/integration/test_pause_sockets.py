@@ -48,9 +48,9 @@ RANK = textwrap.dedent('''
         result["shut"] = shut_group_sockets() if shut else 0
         store.set("after", "1")  # the store's connection (an avoided port) still works
         result["store"] = store.get("after").decode()
-        time.sleep(5.0)
+        time.sleep(2.5)
     else:
-        time.sleep(7.0)
+        time.sleep(3.5)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)
@@ -81,10 +81,10 @@ def test_a_paused_rank_shuts_its_group_down_so_a_peer_blocked_on_it_fails_at_onc
     assert got[0]["shut"] == 2, "one connection to each of the two peers, not the listener nor the store's"
     assert got[0]["store"] == "1"
     assert "closed by peer" in got[2]["recv"].lower() or "reset by peer" in got[2]["recv"].lower(), got[2]
-    assert got[2]["waited_s"] < 5.0, f"rank 2 waited {got[2]['waited_s']:.1f} s for the paused rank"
+    assert got[2]["waited_s"] < 2.5, f"rank 2 waited {got[2]['waited_s']:.1f} s for the paused rank"
 
 
 def test_without_it_the_peer_waits_for_as_long_as_the_paused_rank_lives(tmp_path):
     """The flake's mechanism itself: what the shutdown fixes (a referenced gloo group keeps its connections)."""
     got = _run(tmp_path, shut=False)
-    assert got[2]["waited_s"] > 4.0, got[2]
+    assert got[2]["waited_s"] > 2.5, got[2]  # rank 0 lives 3.5 s past the all_reduce

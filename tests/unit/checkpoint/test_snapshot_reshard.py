@@ -158,3 +158,35 @@ def test_a_restore_at_another_world_size_loads_an_old_ranks_live_snapshot_and_no
         finally:
             reshard.close()
         assert _same(fresh, state) and fresh.extras["scheduler"].last_epoch == 2
+
+
+@pytest.mark.parametrize("workers_on_node", [1, 2])
+def test_a_grow_takes_the_boundarys_snapshot_live_only_where_no_other_worker_of_the_node_reads_its_slot(
+        tmp_path, monkeypatch, workers_on_node):
+    """`hand_over(live=True)` at a grow: with one worker on the node, the copy in flight is cancelled and the
+    snapshot handed over live (nothing committed for that step, the step before's snapshot kept); with two, another
+    worker may need the slot's file, so the copy is waited for and committed as before."""
+    from elastictrain.config import CheckpointConfig
+    from elastictrain.runtime.checkpointing import StateCheckpointer
+    from elastictrain.runtime.heartbeat import Heartbeat
+
+    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(workers_on_node))
+    state, model, optim = _state(0)
+    ckpt = StateCheckpointer(CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0),
+                             state, Heartbeat(None), rank=0, world_size=1, fingerprint={})
+    _train(state, model, optim)
+    ckpt.snapshot_if_due(final=False)
+    ckpt._finish_snapshot()
+    go = _held_copy(monkeypatch)
+    _train(state, model, optim)
+    ckpt.snapshot_if_due(final=False)
+    assert ckpt.snapshots.in_flight
+    store = ckpt.snapshots
+    threading.Timer(0.5, go.set).start()  # the copy waits, as a big one would, until then
+    live = ckpt.hand_over(live=True)
+    steps = [i.step for i in store.available()[0]]
+    if workers_on_node == 1:
+        assert live is not None and live.info.step == 2 and steps == [1], "its copy cancelled: nothing committed"
+    else:
+        assert live is None and steps == [2, 1]
