@@ -55,7 +55,7 @@ from elastictrain.runtime.heartbeat import (
     decode,
     section_phase,
 )
-from elastictrain.runtime.inplace import ENV_GENERATION, next_generation
+from elastictrain.runtime.inplace import ENV_GENERATION, formed, next_generation
 
 log = logging.getLogger(__name__)
 
@@ -461,6 +461,8 @@ class ElasticAgent(LocalElasticAgent):
         if not failures or len(failures) >= world or any(
                 f.exitcode in (EXIT_FATAL, EXIT_REFORM, EXIT_NO_IN_PLACE) for f in failures.values()):
             return False
+        if self._grow_not_formed(worker_group):
+            return False
         try:
             generation = next_generation(self.in_place_store)
             pids = {lr: ctx.replace(lr, {ENV_GENERATION: str(generation), **self._rank_env.get(lr, {})})
@@ -484,6 +486,25 @@ class ElasticAgent(LocalElasticAgent):
                    backoff_s=0.0)
         worker_group.state = WorkerState.HEALTHY
         return True
+
+    def _grow_not_formed(self, worker_group: WorkerGroup) -> bool:
+        """A grow of the round is recorded but its survivors have not re-formed with the new workers yet: those hold
+        no state, and wait in the grow's generation for a group that a replacement's newer generation would never
+        form (a 1:2 job whose only survivor failed then stalled until the next fault). Every worker is restarted."""
+        world_of = getattr(worker_group.spec.rdzv_handler, "world", None)
+        if world_of is None:  # not our etcd rendezvous: no in-place shrink or grow
+            return False
+        try:
+            world = world_of()
+            pending = world is not None and bool(world.joined) and not formed(self.in_place_store, world.generation)
+        except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
+            log.warning("could not read whether a grow is pending (%s); restarting every worker", e)
+            return True
+        if pending:
+            log.warning("a worker failed while the round's grow (generation %d) has not re-formed: only the "
+                        "survivors hold state and the new workers wait for that grow; restarting every worker",
+                        world.generation)
+        return pending
 
     def _adopt_world_changes(self, worker_group: WorkerGroup) -> None:
         """The round dropped a lost node, or took one's place back, in place (its handler says so): this node's

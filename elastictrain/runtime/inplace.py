@@ -104,6 +104,20 @@ def generations_store(client: Any, run_prefix: str) -> dist.Store:
     return EtcdStore(client, f"{run_prefix}/{GENERATIONS_PREFIX}", timeout=datetime.timedelta(seconds=60))
 
 
+FORMED = "formed"
+"""Under the run's generations store: `formed/<generation>`, written once the survivors of a grow re-formed the bigger
+world of that generation with its new workers. Until then only the survivors hold state: an agent replacing a failed
+worker then restarts every worker instead (agent.py `_replace_in_place`)."""
+
+
+def record_formed(store: dist.Store, generation: int) -> None:
+    store.set(f"{FORMED}/{generation}", b"1")
+
+
+def formed(store: dist.Store, generation: int) -> bool:
+    return bool(store.check([f"{FORMED}/{generation}"]))
+
+
 def current_generation(store: dist.Store) -> int:
     return int(store.add("gen", 0))
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.errors import ConfigError
-from elastictrain.runtime.inplace import InPlace, InPlaceFailed, shut_group_sockets
+from elastictrain.runtime.inplace import InPlace, InPlaceFailed, record_formed, shut_group_sockets
 from elastictrain.runtime.train_state import TrainState
 
 log = logging.getLogger("elastictrain.runtime.steps")
@@ -208,6 +208,11 @@ class InPlaceLoop:
             raise InPlaceFailed(f"rebuilding the process group in place failed: {type(e).__name__}: {e}") from e
         self.recoveries += 1
         self._pausing = False
+        if w.world_size > old_world and w.rank == self.reporter:
+            try:  # the grow's new workers hold state from here on: a failure now is replaced in place again
+                record_formed(in_place.store, generation)
+            except Exception as e:  # noqa: BLE001 - etcd blinked: a failure meanwhile restarts every worker
+                log.warning("could not record that generation %d formed: %s", generation, e)
         pause = time.monotonic() - started
         if w.rank == self.reporter:  # the lowest survivor: rank 0 may be a replacement, which knows no pause
             log.warning("resumed in place at step %d (generation %d) after %.2fs paused (%s)", st.step, generation,

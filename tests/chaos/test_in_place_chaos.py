@@ -18,9 +18,10 @@ from elastictrain.agent.jobstate import event_dict
 from elastictrain.agent.ledger import compute
 from elastictrain.agent.snapshots import snapshot_base
 from elastictrain.chaos.process_signals import drain_node, signal_worker
+from elastictrain.runtime.audit import committed_timeline
 from elastictrain.runtime.injected_faults import ENV_CHAOS
 from elastictrain.runtime.inplace import GENERATIONS_PREFIX
-from tests.chaos.cluster import STEPS, Job, Reference
+from tests.chaos.cluster import STEPS, Job, Reference, expected_samples
 from tests.chaos.test_agent_chaos import (
     FAULT_STEP,
     ON_TWO,
@@ -375,6 +376,38 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
                                      f"checkpoint.resume={Reference({}, one).checkpoint(grew_at)}"])
         assert_same_train_state({**summary, "losses": {k: v for k, v in summary["losses"].items()
                                                        if int(k) > grew_at}}, replay)
+    finally:
+        job.teardown()
+
+
+def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker(tmp_path, etcd, run_id):
+    """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its worker
+    is not ready yet (SIGSTOPped here; a 50M model's build in goodput.py's schedule) when a's worker, the only one
+    holding state, is SIGKILLed. Replacing it in place joined a newer generation that b's worker, waiting in the
+    grow's, never joins: the job stalled until the next fault. Now a's agent restarts every worker: a new round of
+    both nodes resumes from a's snapshots, and the job ends complete and exactly-once."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a, b, saved = _start_with_a_slow_survivor(job)
+        _lose_for_good(job, b)
+        b = job.start_node("b")
+        stopped = list(job.wait_workers(b).values())
+        for pid in stopped:  # before they import torch, long before they are ready
+            os.kill(pid, signal.SIGSTOP)
+        _wait_for_event(job, lambda e: e.kind == "grow" and e.fields["agent_pid"] == a.pid)  # a knows of it
+        signal_worker(a.pid, signal.SIGKILL)
+        assert job.wait([a, b], timeout=180) == [0, 0], job.logs()
+        evs = events(job)
+        dump = _dump(evs)
+        restarts = [e for e in evs if e.kind == "restart"]
+        assert restarts and not any(e.fields.get("in_place") for e in restarts), \
+            f"the failed survivor was replaced in place while the grow was pending\n{dump}"
+        assert "restarting every worker" in (job.out / "agent-a.log").read_text(errors="replace")
+        summary = job.summary()
+        assert summary["final_step"] == STEPS, summary
+        assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+            "every step must consume exactly the samples of an uninterrupted run, once"
+        assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
     finally:
         job.teardown()
 
