@@ -456,9 +456,6 @@ class LiveSlot:
         self._buf, self.nbytes = buf, nbytes
         self._pieces = sorted(((off, n, t) for t, off, n, _ in copies if n), key=lambda p: p[0])
 
-    def numel(self) -> int:
-        return self.nbytes
-
     def _segments(self, a: int, b: int) -> Iterator[torch.Tensor]:
         at = a
         for off, n, t in self._pieces:

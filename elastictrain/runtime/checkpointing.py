@@ -112,6 +112,8 @@ class StateCheckpointer:
         self.live: Optional[LiveSnapshot] = None
         """A grow in place: the snapshot the group before took at the boundary, its copy cancelled, served from
         the live state (`hand_over(live=True)`); the next `restore` offers it, then drops it."""
+        self._local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        """The workers on this node (a grow serves a snapshot from the live state only where it is the one)."""
         root = os.environ.get(ENV_SNAPSHOT_DIR)
         if cfg.snapshot_every_steps and root:
             identity = {"run": os.environ.get("TORCHELASTIC_RUN_ID", ""), "fingerprint": fingerprint,
@@ -121,7 +123,7 @@ class StateCheckpointer:
             self.mgr.saves_from_snapshots = bool(cfg.url) and cfg.async_save and cfg.async_mode == "thread"
             # With more than one node in this world, the agent also keeps a peer node's replicas in this folder (a
             # survivor re-formed in place keeps its start's environment: the world it trains in says).
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            local_ranks = self._local_ranks
             room = room_check(cfg.snapshot_memory, Path(root), local_ranks, replica=world_size > local_ranks,
                               durable=self.mgr.saves_from_snapshots, fatal=lambda: self._fresh)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
@@ -514,7 +516,7 @@ class StateCheckpointer:
             self._snapshot(step)
         source = None
         if (live and self.snapshots is not None and self._snapshot_step == step and self._durable_pending is None
-                and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1):
+                and self._local_ranks == 1):
             source = self.snapshots.live(cancel=True)
         self._finish_snapshot()
         self.close()

@@ -208,12 +208,12 @@ class InPlaceLoop:
             raise InPlaceFailed(f"rebuilding the process group in place failed: {type(e).__name__}: {e}") from e
         self.recoveries += 1
         self._pausing = False
+        pause = time.monotonic() - started
         if w.world_size > old_world and w.rank == self.reporter:
             try:  # the grow's new workers hold state from here on: a failure now is replaced in place again
                 record_formed(in_place.store, generation)
             except Exception as e:  # noqa: BLE001 - etcd blinked: a failure meanwhile restarts every worker
                 log.warning("could not record that generation %d formed: %s", generation, e)
-        pause = time.monotonic() - started
         if w.rank == self.reporter:  # the lowest survivor: rank 0 may be a replacement, which knows no pause
             log.warning("resumed in place at step %d (generation %d) after %.2fs paused (%s)", st.step, generation,
                         pause, ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()))
