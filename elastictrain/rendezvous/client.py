@@ -189,20 +189,31 @@ class EtcdClient:
         deadline = time.monotonic() + s.connect_timeout
         last: BaseException | None = None
         attempt = 0
+        # One client while some member is untried: a failed probe marks its member failed in the client, so the next
+        # attempt goes to another member of the list. A new client per attempt started on a random member each time,
+        # and with one dead member of two, every attempt within connect_timeout could pick it (seen in CI).
+        client: MultiEndpointEtcd3Client | None = None
         while True:
             attempt += 1
-            client: MultiEndpointEtcd3Client | None = None
             try:
-                client = self._build(min(s.request_timeout, s.connect_timeout))
+                if client is None:
+                    client = self._build(min(s.request_timeout, s.connect_timeout))
                 client.get(f"{s.run_prefix}/probe")
             except (grpc.RpcError, etcd_exc.Etcd3Exception, OSError) as exc:
-                if client is not None:
-                    client.close()
                 last = exc
-                if not _is_transient(exc):
-                    raise self._fatal_error(exc) from exc
-                if time.monotonic() >= deadline:
+                if not _is_transient(exc) or time.monotonic() >= deadline:
+                    if client is not None:
+                        client.close()
+                    if not _is_transient(exc):
+                        raise self._fatal_error(exc) from exc
                     break
+                if client is not None and (
+                    len(client.endpoints) == 1 or all(ep.is_failed() for ep in client.endpoints.values())
+                ):
+                    # A lone member, or every member tried: fresh channels, so that a server started late is
+                    # reached without gRPC's reconnect backoff.
+                    client.close()
+                    client = None
                 time.sleep(min(0.05 * 2**attempt, 1.0, max(deadline - time.monotonic(), 0.0)))
                 continue
             with self._lock:

@@ -212,9 +212,10 @@ def test_wrong_endpoint_fails_within_seconds_naming_it(run_id: str) -> None:
 
 def test_failover_to_a_live_endpoint_of_the_list(make_client, etcd: EtcdHandle, run_id: str) -> None:
     dead = f"127.0.0.1:{free_port('127.0.0.1')}"
-    # The client starts on a random member: several clients make it near certain one starts on the dead one.
-    for i in range(6):
-        client = make_client(f"{dead},{etcd.endpoint}", run_id)
+    # The client starts on a random member: several clients make it near certain one starts on the dead one. A short
+    # connect_timeout: the client must move to the live member after one failed probe, not retry the list at random.
+    for i in range(12):
+        client = make_client(f"{dead},{etcd.endpoint}", run_id, connect_timeout=1)
         client.put(f"/elastictrain/{run_id}/k{i}", b"v")
         assert client.get(f"/elastictrain/{run_id}/k{i}")[0] == b"v"
     handler = create_etcd_handler(_params(f"{dead},{etcd.endpoint}", run_id, 1, 1))
