@@ -32,6 +32,7 @@ import logging
 import math
 import socket
 import threading
+import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -319,8 +320,11 @@ class Reshard:
         self.live = live or {}
         self.read_live = 0
         """How many old ranks' snapshots this rank read (or served) from the live state."""
+        t0 = time.monotonic()
         self.template = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()
                          if not is_per_rank_key(k)}
+        self.template_s = time.monotonic() - t0
+        """The seconds the state's dicts took (a fresh optimizer's state allocated there, `OptimizerState`)."""
         flat, self.mappings = flatten_state_dict(self.template)
         self.flat = flat
         metadata, self.holders = _metadata(flat, self.mappings, shards)

@@ -303,15 +303,17 @@ class StateCheckpointer:
         seconds = ended - started
         parts = {"plan_s": round(planned - started, 3), "obtain_s": round(obtained - planned, 3),
                  "load_s": round(ended - obtained, 3)}
+        template_s = round(reshard.template_s, 3)  # of plan_s: the state's dicts built (allocation)
         log.info("resumed from the in-memory snapshot of step %d taken at world size %d (resharded to %d in %.2fs: "
-                 "plan %.2fs, read/receive %.2fs, load %.2fs; %d slot(s) from peers, %d of them over the process "
-                 "group, %d bytes, %d of them straight into place; %d old slot(s) read from the live state; newest "
-                 "durable checkpoint: %s)", step, candidate.world_size, self.world_size, seconds, *parts.values(),
+                 "plan %.2fs (state dicts %.2fs), read/receive %.2fs, load %.2fs; %d slot(s) from peers, %d of them "
+                 "over the process group, %d bytes, %d of them straight into place; %d old slot(s) read from the live "
+                 "state; newest durable checkpoint: %s)", step, candidate.world_size, self.world_size, seconds,
+                 parts["plan_s"], template_s, parts["obtain_s"], parts["load_s"],
                  len(fetched), received, fetched_bytes, in_place, live, durable)
         self._emit("checkpoint_snapshot_loaded", {
             "step": step, "durable_step": durable, "resharded_from": candidate.world_size, "seconds": seconds, **parts,
             "fetched_slots": len(fetched), "fetched_over_group": received, "fetched_bytes": fetched_bytes,
-            "fetched_in_place_bytes": in_place, "live_slots": live,
+            "fetched_in_place_bytes": in_place, "live_slots": live, "template_s": template_s,
             "from_nodes": sorted(set(fetched))[:8]})
         self.mgr.restored_elsewhere(state)
         self._durable_too(step, durable)

@@ -72,6 +72,7 @@ class InPlaceLoop:
             # beside the larger new ones until the next full one. It costs the pause 0.1-0.2 s (50M), so a grow,
             # whose new shards are smaller, leaves them to the next automatic collection.
             gc.collect()
+        collected = time.monotonic() - t0
         new = self._rebuild()
         if not isinstance(new, TrainState):
             raise ConfigError(f"Worker.steps(rebuild=...) returned {type(new).__name__}; return a TrainState with the "
@@ -79,6 +80,8 @@ class InPlaceLoop:
         self.state.adopt(new)
         self._watch_stragglers()
         self._pause_parts["model"] = time.monotonic() - t0
+        log.info("model, optimizer and scheduler built again on the new mesh in %.2fs (the old ones collected in "
+                 "%.2fs)", self._pause_parts["model"], collected)
 
     def _agree_generation(self, in_place: InPlace) -> None:
         """Every rank runs in rank 0's generation: the one it joined or rebuilt, or on a first start the counter's."""
