@@ -436,8 +436,17 @@ class ElasticAgent(LocalElasticAgent):
         backoff = self._charge_restart(worker_group) if failed and self._budget is not None else 0.0
         if failed and backoff == 0 and self._replace_in_place(worker_group):
             return
+        stuck = not failed and self._stuck_on_lost_members()
         self._emit("restart", reason="failure" if failed else "membership change", step_reached=self._step_reached(),
-                   remaining_restarts=self._remaining_restarts, backoff_s=round(backoff, 2))
+                   remaining_restarts=self._remaining_restarts, backoff_s=round(backoff, 2),
+                   **({"stuck_on_lost_node": True} if stuck else {}))
+        if stuck:
+            # A graceful stop ends at a step boundary that every rank agrees on, which a dead peer never reaches: a
+            # worker blocked in a collective with it runs no signal handler, and torch would wait out its whole
+            # shutdown timeout (30 s) before the SIGKILL. Their state is in the snapshots and checkpoints.
+            log.warning("this node's workers made no progress since a lost node of the round went away: stopping "
+                        "them at once (SIGKILL) instead of waiting for a graceful stop")
+            self._signal_workers(signal.SIGKILL)
         # torch's _restart_workers, with the backoff between stopping the old group and joining the next round.
         self._stop_workers(worker_group)
         worker_group.state = WorkerState.STOPPED
@@ -446,6 +455,23 @@ class ElasticAgent(LocalElasticAgent):
                         backoff)
             time.sleep(backoff)
         self._initialize_workers(worker_group)
+
+    def _stuck_on_lost_members(self) -> bool:
+        """A new round because members of the round lost their lease (etcd_handler `members_lost_at`), and no local
+        worker made progress since, nor for 1.5 of its step times: each is blocked on them (seen: a survivor whose
+        collective with a SIGKILLed node never failed; it ignored the graceful stop for torch's 30 s). A node alive
+        behind a lapsed lease leaves its peers training: they progress within a step. Consumes the handler's mark."""
+        handler = self._worker_group.spec.rdzv_handler
+        lost_at = getattr(handler, "members_lost_at", None)
+        if lost_at is None:
+            return False
+        handler.members_lost_at = None
+        workers = list(self._health.workers.values())
+        if not workers or not self._health.beats_seen:
+            return False
+        now, step = self._clock(), self._health.step_time()
+        last = [w.last_progress if w.last_progress is not None else w.started for w in workers]
+        return all(t < lost_at and (step is None or now - t > 1.5 * step) for t in last)
 
     def _replace_in_place(self, worker_group: WorkerGroup) -> bool:
         """`elastic.in_place`: start new processes for the failed local ranks only, in a new process-group generation

@@ -116,6 +116,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """Set by the agent: whether every local worker pauses in place (its collectives failed: a peer died)."""
         self._doubted: dict[str, float] = {}
         """Lost members not yet dropped in place (node id -> monotonic deadline): no evidence yet that they died."""
+        self._lost_seen: dict[str, float] = {}
+        """Members of the round seen without a lease, by node id: when first seen so (monotonic)."""
+        self.members_lost_at: float | None = None
+        """When the lost members of the round last reported (a new round) were first seen without a lease
+        (monotonic): the agent judges by it whether its workers still made progress since."""
         self.grow_world: World | None = None
         """With `took_over`: the bigger world this node's claim of a shrunk round's open place recorded (shrink.py)."""
         self.grown: list[tuple[str, str]] = []
@@ -345,6 +350,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             logger.info("etcd reachable again after %.1f s", now - self._outage_since)
             self._outage_since = None
         lost = self._liveness.lost(self._round_members - set(self._held))
+        self._lost_seen = {n: self._lost_seen.get(n, now) for n in lost}  # those back or dropped are forgotten
         if self._vacancies is not None and (lost or self._held):
             lost = {n for n in lost if not self._hold(n)} | self._settle_held(now)
         if self._shrinks is not None and (lost or self._doubted):
@@ -355,6 +361,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if lost:
             logger.warning("lost node(s) %s of the current round; asking for a new round", sorted(lost))
             self._round_members -= lost
+            seen = [self._lost_seen.pop(n) for n in lost if n in self._lost_seen]
+            if seen:
+                self.members_lost_at = min(seen)
         return waiting + len(lost)
 
     def _settle_grown(self) -> None:

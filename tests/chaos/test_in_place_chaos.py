@@ -5,6 +5,7 @@ ends bitwise-equal to an uninterrupted run. A lost node whose place is not held 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import shutil
 import signal
 import time
 
+import psutil
 import pytest
 
 from elastictrain.agent.jobstate import event_dict
@@ -435,4 +437,40 @@ def test_the_job_finishing_before_a_pending_grow_re_forms_ends_every_node(tmp_pa
         shrunk_at = resumed[0].fields["step"]
         assert_recovered(job, saved, {s: 2 if s < shrunk_at else 1 for s in range(STEPS)})
     finally:
+        job.teardown()
+
+
+def test_a_survivor_blocked_on_a_frozen_lost_node_is_stopped_at_once(tmp_path, etcd, run_id):
+    """Node b freezes (every process of it SIGSTOPped: its lease lapses, its connections stay open): a hung host. a's
+    worker, blocked in a collective with b's frozen worker, neither fails nor pauses, so a's agent drops nothing in
+    place and asks for a new round, and a graceful stop never reaches that worker (seen in scale.py at 50M, where the
+    survivor's collective with a SIGKILLed node never failed: torch waited 30 s to SIGKILL it). a's agent now stops
+    it at once (no progress since b was lost) and goes on alone: complete, exactly-once, no committed checkpoint
+    lost. a steps slowly at world 2, so its own hang timeout does not act first."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    frozen: list[int] = []
+    try:
+        a = job.start_node("a", env={ENV_CHAOS: "slow@ms=1500,step=2,rank=0,world=2"})
+        b = job.start_node("b")
+        job.wait_for_step(FAULT_STEP, world_size=2)
+        saved = job.valid_checkpoints()
+        frozen = [b.pid, *(p.pid for p in psutil.Process(b.pid).children(recursive=True))]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        evs = _wait_for_event(job, lambda e: e.kind == "restart" and e.fields.get("stuck_on_lost_node"), timeout=60)
+        assert all(e.fields.get("agent_pid") == a.pid for e in evs if e.fields.get("stuck_on_lost_node")), _dump(evs)
+        for pid in frozen:  # the hung host goes away for good
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert job.wait([a], timeout=180) == [0], job.logs()
+        assert "Unable to shutdown process" not in a.log(), "a's blocked worker waited out torch's graceful stop"
+        summary = job.summary()
+        assert summary["final_step"] == STEPS, summary
+        assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+            "every step must consume exactly the samples of an uninterrupted run, once"
+        assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         job.teardown()
