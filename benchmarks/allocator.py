@@ -1,6 +1,8 @@
-"""The worker's host allocator: glibc malloc as it is vs kept for reuse (`elastic.worker_malloc`), same run.
+"""The worker's host allocator: glibc malloc as it is vs kept for reuse (`elastic.worker_malloc`), or without vs
+with huge pages (`elastic.worker_huge_pages`), same run.
 
     python benchmarks/allocator.py [--sizes tiny,50m,150m] [--rounds 3] [--steps 8] [--world 2] [--out PATH]
+                                   [--modes default,tuned | tuned,tuned+thp]
 
 What `elastictrain/runtime/allocator.py` changes, measured on the workload of scale.py: per size and round, two
 fresh jobs of `--world` ranks (one process each, FSDP2 on gloo over loopback, scale.py's Llama of that size built
@@ -9,8 +11,11 @@ by the recipe's own functions, seq 16, a micro-batch of 4 sequences per rank, th
 steps: one with glibc's defaults (`ELASTICTRAIN_WORKER_MALLOC=default`), one with `tune_malloc()` called at the
 worker's start, as our workers do. Which goes first alternates per round. Each job reports its median step time
 (rank 0's, each step ending in a barrier), the re-build a re-form in place pays (the model and optimizer dropped,
-built again on the same mesh, filled and Adam's state allocated: `prepare_for_load`), and each rank's resident
-memory at the end and at its peak. Per size: the ratio tuned / default of each round, and their medians.
+built again on the same mesh, filled and Adam's state allocated: `prepare_for_load`), what a smaller world's
+re-form pays to allocate its bigger shards (each rank builds the whole state on a mesh of itself alone, every page
+touched as the load would: `shrink_s`), and each rank's resident memory at the end and at its peak. Per size: the
+ratio of the second mode to the first of each round, and their medians. `--modes tuned,tuned+thp` compares
+`elastic.worker_huge_pages` off and on (torch's THP_MEM_ALLOC_ENABLE).
 
 Writes benchmarks/results/allocator.json.
 """
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastictrain.runtime.allocator import ENV_TORCH_THP
 from elastictrain.testing.ranks import run_worker_script, worker_entry
 
 HERE = Path(__file__).resolve().parent
@@ -54,7 +60,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
     import torch
     import torch.distributed as dist
     from scale import SIZES
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from elastictrain.config import ModelConfig, OptimConfig, TrainConfig
     from elastictrain.recipes.model import build_optimizer, build_sharded, fill_weights
@@ -68,9 +74,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
                                                "max_position_embeddings": 512})
     train = TrainConfig(precision="fp32")
 
-    def build() -> tuple[Any, Any, Any]:
+    def build(fill: bool = True) -> tuple[Any, Any, Any]:
         model = build_sharded(cfg, mesh, train, torch.device("cpu"))
-        fill_weights(model, cfg, seed=0)
+        if fill:
+            fill_weights(model, cfg, seed=0)
         optim, sched = build_optimizer(model, OptimConfig(), total_steps=1000)
         return model, optim, sched
 
@@ -95,17 +102,38 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> dict[str,
     prepare_for_load(model, optim)
     dist.barrier()
     rebuild_s = time.perf_counter() - started
+    # A smaller world in place: each rank's shard grows (here to the whole state, a mesh of this rank alone), and the
+    # allocation of the bigger state, every page a first touch, is most of what the re-form spends before its load.
+    alone = DeviceMesh.from_group(dist.new_group([rank]) if world > 1 else dist.group.WORLD, "cpu")
+    dist.barrier()
+    started = time.perf_counter()
+    model = optim = sched = None
+    gc.collect()
+    mesh = alone
+    model, optim, sched = build(fill=False)  # a load fills it: `prepare_for_load` touches every page, as the load would
+    prepare_for_load(model, optim)
+    shrink_s = time.perf_counter() - started
+    dist.barrier()
     out = {"applied": applied, "step_s": statistics.median(times), "steps_s": [round(t, 4) for t in times],
-           "rebuild_s": rebuild_s, "rss_trained": rss_trained, "rss_end": _rss_bytes(),
+           "rebuild_s": rebuild_s, "shrink_s": shrink_s, "rss_trained": rss_trained, "rss_end": _rss_bytes(),
            "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     dist.destroy_process_group()
     return out
 
 
+def mode_env(mode: str) -> dict[str, str]:
+    """A mode's worker environment: `default` or `tuned` (`elastic.worker_malloc`), `+thp` for
+    `elastic.worker_huge_pages` (torch's THP_MEM_ALLOC_ENABLE; without it, the switch is off)."""
+    malloc, _, extra = mode.partition("+")
+    if malloc not in ("default", "tuned") or extra not in ("", "thp"):
+        raise SystemExit(f"--modes: {mode!r} is not one of default, tuned, default+thp, tuned+thp")
+    return {"ELASTICTRAIN_WORKER_MALLOC": malloc, ENV_TORCH_THP: "1" if extra else "0"}
+
+
 def run_job(size: str, mode: str, world: int, steps: int, timeout: float) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix=f"allocator-{size}-{mode}-"))
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "ELASTICTRAIN_WORKER_MALLOC": mode}
+           **mode_env(mode)}
     try:
         return run_worker_script(__file__, work, world, {"size": size, "steps": steps}, timeout, env=env, cwd=REPO)
     except RuntimeError as e:
@@ -114,34 +142,38 @@ def run_job(size: str, mode: str, world: int, steps: int, timeout: float) -> lis
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(size: str, rounds: int, world: int, steps: int, timeout: float) -> dict[str, Any]:
+def measure(size: str, rounds: int, world: int, steps: int, timeout: float,
+            modes: tuple[str, str] = ("default", "tuned")) -> dict[str, Any]:
+    base, new = modes
     trials = []
     for rnd in range(rounds):
-        order = ("default", "tuned") if rnd % 2 == 0 else ("tuned", "default")
+        order = (base, new) if rnd % 2 == 0 else (new, base)
         jobs = {mode: run_job(size, mode, world, steps, timeout) for mode in order}
         trial = {"first": order[0]}
         for mode, ranks in jobs.items():
             trial[mode] = {"step_s": round(ranks[0]["step_s"], 4), "rebuild_s": round(ranks[0]["rebuild_s"], 3),
+                           "shrink_s": round(max(r["shrink_s"] for r in ranks), 3),
                            "rss_trained_mb": [round(r["rss_trained"] / 2**20) for r in ranks],
                            "rss_end_mb": [round(r["rss_end"] / 2**20) for r in ranks],
                            "rss_peak_mb": [round(r["rss_peak"] / 2**20) for r in ranks],
                            "applied": ranks[0]["applied"]}
-        trial["step_ratio"] = round(trial["tuned"]["step_s"] / trial["default"]["step_s"], 3)
-        trial["rebuild_ratio"] = round(trial["tuned"]["rebuild_s"] / trial["default"]["rebuild_s"], 3)
-        print(f"{size} round {rnd}: step {trial['default']['step_s']:.3f} s default, {trial['tuned']['step_s']:.3f} s "
-              f"tuned ({trial['step_ratio']}x); rebuild {trial['default']['rebuild_s']:.2f} / "
-              f"{trial['tuned']['rebuild_s']:.2f} s; RSS at the end {trial['default']['rss_end_mb']} / "
-              f"{trial['tuned']['rss_end_mb']} MB", flush=True)  # noqa: T201 - progress of a benchmark run
+        for key in ("step", "rebuild", "shrink"):
+            trial[f"{key}_ratio"] = round(trial[new][f"{key}_s"] / trial[base][f"{key}_s"], 3)
+        print(f"{size} round {rnd}: step {trial[base]['step_s']:.3f} s {base}, {trial[new]['step_s']:.3f} s "
+              f"{new} ({trial['step_ratio']}x); rebuild {trial[base]['rebuild_s']:.2f} / "
+              f"{trial[new]['rebuild_s']:.2f} s; shrink {trial[base]['shrink_s']:.2f} / "
+              f"{trial[new]['shrink_s']:.2f} s; RSS at the end {trial[base]['rss_end_mb']} / "
+              f"{trial[new]['rss_end_mb']} MB",
+              flush=True)  # noqa: T201 - progress of a benchmark run
         trials.append(trial)
 
     def med(mode: str, key: str) -> float:
         return round(statistics.median(t[mode][key] for t in trials), 4)
 
-    return {"size": size, "trials": trials, "median": {
-        "step_s_default": med("default", "step_s"), "step_s_tuned": med("tuned", "step_s"),
-        "step_ratio": round(statistics.median(t["step_ratio"] for t in trials), 3),
-        "rebuild_s_default": med("default", "rebuild_s"), "rebuild_s_tuned": med("tuned", "rebuild_s"),
-        "rebuild_ratio": round(statistics.median(t["rebuild_ratio"] for t in trials), 3)}}
+    return {"size": size, "modes": [base, new], "trials": trials, "median": {
+        **{f"{key}_s_{mode}": med(mode, f"{key}_s") for key in ("step", "rebuild", "shrink") for mode in modes},
+        **{f"{key}_ratio": round(statistics.median(t[f"{key}_ratio"] for t in trials), 3)
+           for key in ("step", "rebuild", "shrink")}}}
 
 
 def main() -> None:
@@ -152,11 +184,19 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--modes", default="default,tuned",
+                   help="the two modes compared, each default or tuned (elastic.worker_malloc), +thp for "
+                        "elastic.worker_huge_pages; ratios second / first")
     p.add_argument("--note", default="")
     a = p.parse_args()
+    modes = tuple(a.modes.split(","))
+    if len(modes) != 2:
+        raise SystemExit("--modes takes two modes, e.g. tuned,tuned+thp")
+    for mode in modes:
+        mode_env(mode)
     started = time.time()
     load_before = os.getloadavg()
-    sizes = [measure(s, a.rounds, a.world, a.steps, a.timeout) for s in a.sizes.split(",")]
+    sizes = [measure(s, a.rounds, a.world, a.steps, a.timeout, modes) for s in a.sizes.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     doc = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)), "commit": commit.strip(),
                     "argv": sys.argv[1:], "note": a.note, "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -164,8 +204,10 @@ def main() -> None:
                     "wall_s": round(time.time() - started, 1),
                     "metric": "step_s: rank 0's median step time (each step ends in a barrier) over --steps steps "
                               "after 2 warm-up steps; rebuild_s: dropping the model and optimizer and building "
-                              "them again, filled, Adam's state allocated (a re-form in place); ratios tuned / "
-                              "default per round, medians over rounds; rss_*: each rank's resident memory"},
+                              "them again, filled, Adam's state allocated (a re-form in place); shrink_s: the "
+                              "slower rank's drop and build of the whole state on a mesh of itself alone, every page "
+                              "touched (a smaller world's allocation); ratios second mode / first per round, medians "
+                              "over rounds; rss_*: each rank's resident memory"},
            "sizes": sizes}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")

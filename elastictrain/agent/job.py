@@ -52,7 +52,7 @@ from elastictrain.rendezvous.client import EtcdClient
 from elastictrain.rendezvous.embedded import EmbeddedEtcd
 from elastictrain.rendezvous.liveness import NodeLiveness
 from elastictrain.rendezvous.settings import EtcdSettings, conf_flag, conf_seconds
-from elastictrain.runtime.allocator import ENV_WORKER_MALLOC
+from elastictrain.runtime.allocator import ENV_WORKER_MALLOC, worker_huge_pages_env
 from elastictrain.runtime.exitcodes import EXIT_FATAL
 from elastictrain.runtime.inplace import ENV_IN_PLACE, InPlaceSettings, generations_store
 from elastictrain.runtime.stragglers import ENV_CONFIRM_STEPS, ENV_MARGIN, ENV_STEPS
@@ -169,6 +169,7 @@ def run_job(run_argv: Sequence[str], spares: Optional[WarmPool] = None) -> int:
         stack.callback(relay.close)
         os.environ.update(relay.env())  # the workers inherit the agent's environment
         os.environ[ENV_WORKER_MALLOC] = elastic.worker_malloc  # applied by each worker as it starts (warmstart)
+        os.environ.update(worker_huge_pages_env(elastic.worker_huge_pages, os.environ))  # read as torch loads
         if elastic.in_place:  # the workers reach the run's process-group generations in etcd as the agent does
             os.environ[ENV_IN_PLACE] = InPlaceSettings(request.config.rdzv_endpoint, run_id,
                                                        dict(request.config.rdzv_configs),

@@ -277,6 +277,7 @@ def start_early(run_argv: Sequence[str]) -> Optional[WarmPool]:
     """
     from elastictrain.config import load_config, load_elastic
     from elastictrain.errors import ElastictrainError
+    from elastictrain.runtime.allocator import worker_huge_pages_env
 
     run = RunArgs.split(run_argv)
     if {"--no-warm-spares", "-h", "--help"} & set(run.flags) or (run.target is None and not run.config):
@@ -290,6 +291,8 @@ def start_early(run_argv: Sequence[str]) -> Optional[WarmPool]:
         return None
     if not elastic.warm_spares:
         return None
+    # torch reads its huge-page switch as it loads, which a spare does now: the agent's own setting comes too late.
+    os.environ.update(worker_huge_pages_env(elastic.worker_huge_pages, os.environ))
     nproc = run.flag("--nproc-per-node", "--nproc_per_node")
     size = int(nproc) if nproc and nproc.isdigit() else elastic.nproc_per_node
     pool = WarmPool(os.getenv("PYTHON_EXEC", sys.executable), run.worker_args(), size, run.prewarm(elastic.prewarm))
