@@ -382,6 +382,15 @@ def test_a_node_started_after_a_worker_replacement_and_a_shrink_grows_the_world_
         job.teardown()
 
 
+def _assert_complete_once(job: Job, saved: set[int]) -> None:
+    """The job reached its last step, every step consumed an uninterrupted run's samples once, no checkpoint lost."""
+    summary = job.summary()
+    assert summary["final_step"] == STEPS, summary
+    assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
+        "every step must consume exactly the samples of an uninterrupted run, once"
+    assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
+
+
 def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker(tmp_path, etcd, run_id):
     """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its worker
     is not ready yet (SIGSTOPped here; a 50M model's build in goodput.py's schedule) when a's worker, the only one
@@ -405,11 +414,7 @@ def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker
         assert restarts and not any(e.fields.get("in_place") for e in restarts), \
             f"the failed survivor was replaced in place while the grow was pending\n{dump}"
         assert "restarting every worker" in (job.out / "agent-a.log").read_text(errors="replace")
-        summary = job.summary()
-        assert summary["final_step"] == STEPS, summary
-        assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
-            "every step must consume exactly the samples of an uninterrupted run, once"
-        assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
+        _assert_complete_once(job, saved)
     finally:
         job.teardown()
 
@@ -464,11 +469,7 @@ def test_a_survivor_blocked_on_a_frozen_lost_node_is_stopped_at_once(tmp_path, e
                 os.kill(pid, signal.SIGKILL)
         assert job.wait([a], timeout=180) == [0], job.logs()
         assert "Unable to shutdown process" not in a.log(), "a's blocked worker waited out torch's graceful stop"
-        summary = job.summary()
-        assert summary["final_step"] == STEPS, summary
-        assert committed_timeline(job.out / "samples") == {s: expected_samples(s) for s in range(STEPS)}, \
-            "every step must consume exactly the samples of an uninterrupted run, once"
-        assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
+        _assert_complete_once(job, saved)
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
