@@ -641,6 +641,14 @@ class ElasticAgent(LocalElasticAgent):
             # no Python signal handler: both would cost torch's whole shutdown timeout. Kill the group.
             self._signal_workers(signal.SIGKILL)
             self._pending_hang = []
+        elif self._grow_pending is not None and not joined(self._health.workers.values()):
+            # Workers started to grow a round back that have not joined it hold no state: nothing to save. They
+            # wait for that grow's group, where SIGTERM does not reach them, and torch's stop waited its 30 s (seen
+            # in goodput.py: the survivor failed before the grow re-formed, and every node's new round waited for
+            # this one). Kill them at once.
+            log.warning("stopping this node's workers, which had not joined the grow they were started for: at once "
+                        "(SIGKILL), they hold no state")
+            self._signal_workers(signal.SIGKILL)
         super()._stop_workers(worker_group)
 
     def _grow_finished(self, now: float) -> bool:

@@ -395,8 +395,9 @@ def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker
     """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its worker
     is not ready yet (SIGSTOPped here; a 50M model's build in goodput.py's schedule) when a's worker, the only one
     holding state, is SIGKILLed. Replacing it in place joined a newer generation that b's worker, waiting in the
-    grow's, never joins: the job stalled until the next fault. Now a's agent restarts every worker: a new round of
-    both nodes resumes from a's snapshots, and the job ends complete and exactly-once."""
+    grow's, never joins: the job stalled until the next fault. Now a's agent restarts every worker (b's agent kills
+    its workers at once: they hold no state): a new round of both nodes resumes from a's snapshots, and the job ends
+    complete and exactly-once."""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
         a, b, saved = _start_with_a_slow_survivor(job)
@@ -414,6 +415,9 @@ def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker
         assert restarts and not any(e.fields.get("in_place") for e in restarts), \
             f"the failed survivor was replaced in place while the grow was pending\n{dump}"
         assert "restarting every worker" in (job.out / "agent-a.log").read_text(errors="replace")
+        # b's workers, waiting for the grow, hold no state: stopped at once (in goodput.py, ready ones waiting in the
+        # grow's group ignored the SIGTERM for torch's 30 s, and the new round waited for them)
+        assert "had not joined the grow they were started for" in b.log(), b.log()[-3000:]
         _assert_complete_once(job, saved)
     finally:
         job.teardown()
