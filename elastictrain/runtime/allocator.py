@@ -32,7 +32,6 @@ import ctypes
 import logging
 import os
 import platform
-from pathlib import Path
 from typing import Mapping, Optional
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ ENV_TORCH_THP = "THP_MEM_ALLOC_ENABLE"
 """torch's own switch (read once, as torch loads): its CPU allocator aligns blocks of 2 MiB or more to 2 MiB and
 advises the kernel to back them with transparent huge pages (`madvise(MADV_HUGEPAGE)`). The agent sets it to 1 for
 its workers when `elastic.worker_huge_pages` is on and the environment does not set it already."""
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 << 20
@@ -90,17 +88,6 @@ def tune_malloc(env: Optional[Mapping[str, str]] = None) -> Optional[dict[str, i
         else:
             log.debug("mallopt(%s, %d) was refused", name, value)
     return applied or None
-
-
-def huge_pages_policy(path: Path = THP_ENABLED) -> Optional[str]:
-    """The kernel's transparent huge page policy (`always`, `madvise` or `never`; None where there is none to read).
-    torch's advice takes effect under `always` and `madvise`."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
-    return chosen[0] if chosen else None
 
 
 def worker_huge_pages_env(enabled: bool, env: Mapping[str, str]) -> dict[str, str]:

@@ -123,9 +123,9 @@ class StateCheckpointer:
             self.mgr.saves_from_snapshots = bool(cfg.url) and cfg.async_save and cfg.async_mode == "thread"
             # With more than one node in this world, the agent also keeps a peer node's replicas in this folder (a
             # survivor re-formed in place keeps its start's environment: the world it trains in says).
-            local_ranks = self._local_ranks
-            room = room_check(cfg.snapshot_memory, Path(root), local_ranks, replica=world_size > local_ranks,
-                              durable=self.mgr.saves_from_snapshots, fatal=lambda: self._fresh)
+            room = room_check(cfg.snapshot_memory, Path(root), self._local_ranks,
+                              replica=world_size > self._local_ranks, durable=self.mgr.saves_from_snapshots,
+                              fatal=lambda: self._fresh)
             self.snapshots = SnapshotStore(root, rank, identity, check_room=room)
             # Without a run id (not under an agent) nothing tells two jobs of this process apart: nothing carried.
             self._pace_key = (identity["run"], json.dumps(fingerprint, sort_keys=True, default=str), world_size) \

@@ -11,6 +11,8 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -19,11 +21,23 @@ from elastictrain.runtime.allocator import (
     ENV_WORKER_MALLOC,
     MMAP_THRESHOLD,
     TRIM_THRESHOLD,
-    huge_pages_policy,
     user_settings,
     worker_huge_pages_env,
 )
 from elastictrain.runtime.warmstart import cold_command
+
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_policy(path: Path = THP_ENABLED) -> Optional[str]:
+    """The kernel's transparent huge page policy (`always`, `madvise` or `never`; None where there is none to read).
+    torch's advice takes effect under `always` and `madvise`."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's malloc only")
