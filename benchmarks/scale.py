@@ -10,7 +10,8 @@ durable checkpoint every 5 steps on a local directory or on the S3 server (`rclo
 ledger on: recovery.py's `Job` with these settings. Configurations, side by side: `stock` (torchrun, c10d, restarts
 from the durable checkpoint), `ours-durable` (`elastictrain run`, etcd, durable tier only), `ours-snapshot` (the
 same with checkpoint.snapshot_every_steps=1) and `ours-in-place` (snapshots and elastic.in_place: a killed worker is
-replaced alone while its peers keep their processes and pause in place; a node kill takes the restart path).
+replaced alone while its peers keep their processes and pause in place; a node kill takes the restart path), and
+`ours-in-place-lease` (ours-in-place without the agents' presence links: a dead node is seen when its lease expires).
 Launcher settings from recovery.py's CONFS: ours "tuned" (2 s leases,
 1 s last call, 3 s hang floor), stock "defaults" (torch's keep-alives, so a node loss is seen after ~45 s; its
 "tuned" settings split the job into two 1-node jobs under load here, and never admit a re-joining node), both
@@ -103,9 +104,13 @@ SIZES: dict[str, dict[str, int]] = {
 }
 CONFIGS: dict[str, tuple[str, int | str]] = {  # name -> (launcher, checkpoint.snapshot_every_steps)
     "stock": ("stock", 0), "ours-durable": ("ours", 0), "ours-snapshot": ("ours", 1), "ours-in-place": ("ours", 1),
-    "ours-auto": ("ours", "auto")}  # the interval measured (benchmarks/snapshot_pace.py)
-IN_PLACE = {"ours-in-place"}
+    "ours-auto": ("ours", "auto"),  # the interval measured (benchmarks/snapshot_pace.py)
+    "ours-in-place-lease": ("ours", 1)}
+IN_PLACE = {"ours-in-place", "ours-in-place-lease"}
 """Configurations with elastic.in_place: a killed worker is replaced alone, its peers pause in place (#15)."""
+LEASE_ONLY = {"ours-in-place-lease"}
+"""Configurations without the agents' presence links (elastic.presence_link=false): a lost node is seen when its etcd
+lease expires, as before the links."""
 DATA = ["data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=4"]
 
 
@@ -127,7 +132,7 @@ class ScaleJob(Job):
         """`confs`: launcher -> recovery.py's CONFS entry ("tuned" or "defaults"); `rejoin_wait`: ours' survivors
         wait this long for a lost node to come back before they re-form without it."""
         launcher, self.snapshot_every = CONFIGS[config]
-        self.in_place = config in IN_PLACE
+        self.config, self.in_place = config, config in IN_PLACE
         super().__init__(launcher, confs[launcher], work, endpoint)
         self.rejoin_wait = rejoin_wait
         self.run_id = f"scale-{uuid.uuid4().hex[:8]}"
@@ -142,7 +147,8 @@ class ScaleJob(Job):
         sets = [*(f"model.overrides.{k}={v}" for k, v in SIZES[self.size].items()), *DATA,
                 f"checkpoint.url={self.ckpt_url}", f"checkpoint.every_steps={CKPT_EVERY}",
                 f"checkpoint.snapshot_every_steps={self.snapshot_every}",
-                *(["elastic.in_place=true"] if self.in_place else [])]
+                *(["elastic.in_place=true"] if self.in_place else []),
+                *(["elastic.presence_link=false"] if self.config in LEASE_ONLY else [])]
         cmd = super().command(name)
         at = len(cmd) - cmd[::-1].index("--set") + 1  # after recovery.py's last --set: later ones win
         cmd = cmd[:at] + [x for s in sets for x in ("--set", s)] + cmd[at:]

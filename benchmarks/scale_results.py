@@ -139,7 +139,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(faults), len(storages), figsize=(max(6 * len(storages), 9), 4.4 * len(faults)),
                              squeeze=False)
     colors = {"stock": "tab:orange", "ours-durable": "tab:blue", "ours-snapshot": "tab:green",
-              "ours-in-place": "tab:purple"}
+              "ours-in-place": "tab:purple", "ours-in-place-lease": "tab:pink"}
     for i, f in enumerate(faults):
         for j, st in enumerate(storages):
             ax = axes[i, j]

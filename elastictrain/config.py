@@ -284,6 +284,11 @@ class ElasticConfig:
     """host:port[,host:port...] of etcd; None starts an embedded local etcd."""
     run_id: str = "elastictrain"
     lease_ttl_s: float = 5.0
+    presence_link: bool = True
+    """Each agent holds an idle TCP connection to a few peer agents on the rendezvous address (--local-addr, else the
+    host name); when one ends and the peer's port refuses a new one, its agent died (SIGKILL, OOM, crash) and its
+    etcd lease is revoked at once: a dead node is lost within milliseconds instead of `lease_ttl_s`. A host that loses
+    power or its network is still noticed by its lease. False: the lease alone (rdzv-conf `presence`)."""
     heartbeat_timeout_s: Optional[float] = None
     """Deprecated name of `hang.floor_s` (read into it with a warning)."""
     hang: HangConfig = field(default_factory=HangConfig)

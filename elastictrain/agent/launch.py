@@ -124,7 +124,7 @@ def rdzv_configs(e: ElasticConfig) -> dict[str, Any]:
     """The rendezvous settings of the `elastic` section, as `--rdzv-conf` keys (a key given there wins)."""
     return {"lease_ttl": e.lease_ttl_s, "last_call_timeout": e.join_grace_s, "rejoin_wait": e.rejoin_wait_s,
             "join_timeout": e.rdzv_timeout_s, "in_place_rejoin": 0,
-            "in_place_shrink": int(e.in_place and e.in_place_shrink)}
+            "in_place_shrink": int(e.in_place and e.in_place_shrink), "presence": int(e.presence_link)}
 
 
 def health_from_args(args: argparse.Namespace) -> HealthConfig:

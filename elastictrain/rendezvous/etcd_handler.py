@@ -645,7 +645,9 @@ def create_etcd_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", DEFAULTS["keep_alive_max_attempt"]) or 3,
     )
     node = DynamicRendezvousHandler._node_desc_generator.generate(params.local_addr)
-    liveness = NodeLiveness(client, f"{settings.run_prefix}/nodes", node_id(node), settings.lease_ttl)
+    # The presence link listens where torch's rendezvous says this node is reached (--local-addr, else its name).
+    liveness = NodeLiveness(client, f"{settings.run_prefix}/nodes", node_id(node), settings.lease_ttl,
+                            presence_host=node.addr if conf_flag(params.config, "presence") else None)
     state_holder = LeaseAwareStateHolder(backend, rdzv_settings, liveness)
     # A node record appearing or vanishing changes what the state holder prunes: re-read then.
     liveness.on_change = state_holder.notify

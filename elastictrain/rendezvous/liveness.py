@@ -4,6 +4,10 @@ An agent that dies (SIGKILL, power off, network cut) stops refreshing its lease;
 record `lease_ttl` seconds later and every survivor's watch sees the deletion at once. This replaces
 torch's own liveness signal (a timestamp rewritten into the shared state every 5 s, judged after
 3 misses = 15 s) as the fast path; torch's stays as a fallback.
+
+With a presence host, a dead agent is seen faster still: each agent holds an idle TCP connection to a few peers
+(presence.py), and a peer whose connection ends and whose port then refuses connections is gone; its lease is
+revoked at once (its record carries the lease id), so every node's watch sees it lost without waiting for the TTL.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from typing import Any
 from pyetcd import events as etcd_events
 
 from elastictrain.rendezvous.client import EtcdClient, EtcdUnavailableError
+from elastictrain.rendezvous.presence import PresenceLink, ring_successors
+
+PRESENCE_PEERS = 3
+"""How many peers (the next ones in node-id order) each agent holds a presence link to: a dead agent is seen by
+this many others, and any one of them revokes its lease."""
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +43,7 @@ class NodeLiveness:
         node_id: str,
         ttl: int,
         on_change: Callable[[], None] | None = None,
+        presence_host: str | None = None,
     ) -> None:
         self._client = client
         self._prefix = prefix.rstrip("/") + "/"
@@ -48,6 +58,9 @@ class NodeLiveness:
         self._watch_id: int | None = None
         self._watch_broken = threading.Event()
         self._info: dict[str, Any] = {}
+        self._records: dict[str, dict[str, Any]] = {}
+        self._presence_host = presence_host
+        self._presence: PresenceLink | None = None
 
     @property
     def key(self) -> str:
@@ -56,6 +69,7 @@ class NodeLiveness:
 
     def start(self) -> None:
         """Write the record under a fresh lease, seed the peer set, start the watch and the keep-alive thread."""
+        self._start_presence()
         self._register()
         self._start_watch()
         self._reseed()
@@ -76,6 +90,9 @@ class NodeLiveness:
                 self._client.lease_revoke(lease_id)
             except Exception:  # noqa: BLE001 - etcd may be gone at exit; the lease expires anyway
                 logger.debug("lease revoke failed", exc_info=True)
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            presence.close()
 
     def publish(self, **info: Any) -> None:
         """Add fields to this node's record (e.g. where its snapshot replica server listens), bound to its lease."""
@@ -106,10 +123,50 @@ class NodeLiveness:
             return set()
         return suspects - self.confirm_alive(suspects)
 
+    def watched(self) -> set[str]:
+        """Peers this agent holds a presence link to now (empty without a presence host)."""
+        return self._presence.watched() if self._presence is not None else set()
+
     def _record(self) -> bytes:
         return json.dumps(
-            {**self._info, "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+            {**self._info, "node": self.node_id, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+             "lease": self._lease_id}
         ).encode()
+
+    def _start_presence(self) -> None:
+        if self._presence_host is None:
+            return
+        try:
+            self._presence = PresenceLink(self._presence_host, self._peer_gone)
+        except OSError as e:
+            logger.warning("no presence link on %s (%s): lost nodes are noticed by their etcd lease only (set "
+                           "--local-addr to an address of this node that the other nodes reach)",
+                           self._presence_host, e)
+            return
+        self._info["presence"] = self._presence.address
+
+    def _update_records(self, records: dict[str, dict[str, Any]]) -> None:
+        """Remember the peers' records (their presence address and lease) and link to this node's ring successors."""
+        self._records = records
+        if self._presence is None:
+            return
+        addresses = {n: r["presence"] for n, r in records.items() if isinstance(r.get("presence"), str)}
+        successors = ring_successors(list(addresses), self.node_id, PRESENCE_PEERS)
+        self._presence.watch({n: addresses[n] for n in successors if n != self.node_id})
+
+    def _peer_gone(self, node: str) -> None:
+        """A peer's agent died (its presence link ended, its port refuses): revoke its lease, which every node's
+        watch then reports as lost, instead of waiting for the lease's TTL."""
+        lease = self._records.get(node, {}).get("lease")
+        if not isinstance(lease, int):
+            return
+        try:
+            self._client.lease_revoke(lease)
+        except Exception as e:  # noqa: BLE001 - already revoked or expired (NOT_FOUND), or etcd blinked: the TTL ends it
+            logger.info("could not revoke the lease of gone node %s (%s); it expires with its TTL", node, e)
+            return
+        logger.warning("node %s's agent is gone (its presence link ended and its port refuses connections): revoked "
+                       "its etcd lease without waiting %s s for it to expire", node, self._ttl)
 
     def _register(self) -> None:
         self._lease_id = self._client.lease_grant(self._ttl)
@@ -134,6 +191,7 @@ class NodeLiveness:
         except EtcdUnavailableError:
             return
         present = {k[len(self._prefix):] for k in records}
+        self._update_records({k[len(self._prefix):]: _parse(v) for k, v in records.items()})
         with self._alive_lock:
             changed = present != self._alive
             self._alive = present
@@ -146,16 +204,21 @@ class NodeLiveness:
             self._watch_broken.set()
             return
         changed = False
+        records = dict(self._records)
         with self._alive_lock:
             for event in response.events:
                 node = event.key.decode()[len(self._prefix):]
                 if isinstance(event, etcd_events.DeleteEvent):
                     logger.info("node record %s deleted (lease expired or revoked)", node)
                     self._alive.discard(node)
+                    records.pop(node, None)
                     changed = True
-                elif node not in self._alive:
-                    self._alive.add(node)
-                    changed = True
+                else:
+                    records[node] = _parse(event.value)
+                    if node not in self._alive:
+                        self._alive.add(node)
+                        changed = True
+        self._update_records(records)
         if changed and self.on_change is not None:
             self.on_change()
 
@@ -192,3 +255,12 @@ class NodeLiveness:
                            "starved); a longer rendezvous lease_ttl rides it out", self.node_id, gap, self._ttl,
                            interval)
         return now
+
+
+def _parse(value: Any) -> dict[str, Any]:
+    """A node record's JSON (an empty dict for one that is not: an older agent's, a torn write)."""
+    try:
+        record = json.loads(value)
+    except (TypeError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

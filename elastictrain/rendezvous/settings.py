@@ -21,6 +21,7 @@ DEFAULTS: dict[str, Any] = {
     "rejoin_wait": 0,  # s; of a re-forming round's last call, kept for a lost node to come back
     "in_place_rejoin": 0,  # s; a lost node's place held for a new node to take over in place (0: a new round)
     "in_place_shrink": 0,  # 1: a lost node nobody replaces is dropped from the running round in place (shrink.py)
+    "presence": 1,  # 1: agents hold idle TCP links to peers; a dead agent's lease is revoked at once (presence.py)
     "join_timeout": 600,  # s; torch's default
     "close_timeout": 30,  # s; torch's default
     "heartbeat_timeout": 5,  # s; torch's default

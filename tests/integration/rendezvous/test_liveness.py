@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 
 from elastictrain.rendezvous.liveness import NodeLiveness
@@ -80,3 +82,43 @@ def test_a_stall_of_etcd_shorter_than_the_ttl_keeps_the_lease_and_is_reported(ma
     assert "expired" not in caplog.text, caplog.text
     node.stop()
     watcher.stop()
+
+
+_NODE = """
+import sys, time
+from elastictrain.rendezvous.client import EtcdClient
+from elastictrain.rendezvous.liveness import NodeLiveness
+from elastictrain.rendezvous.settings import EtcdSettings
+endpoint, run_id, name = sys.argv[1:4]
+client = EtcdClient(EtcdSettings.from_conf(endpoint, run_id, {}))
+client.connect()
+NodeLiveness(client, f"/elastictrain/{run_id}/nodes", name, ttl=10, presence_host="127.0.0.1").start()
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_agent_is_lost_at_once_through_the_presence_link(make_client, etcd, run_id) -> None:
+    """A SIGKILLed agent's lease is revoked by a peer that saw its presence link end: lost in well under the TTL
+    (10 s here). A frozen one (SIGSTOP: its sockets stay open) keeps its lease."""
+    survivor = NodeLiveness(make_client(etcd.endpoint, run_id), f"/elastictrain/{run_id}/nodes", "a", ttl=10,
+                            presence_host="127.0.0.1")
+    survivor.start()
+    procs = [subprocess.Popen([sys.executable, "-c", _NODE, etcd.endpoint, run_id, name], stdout=subprocess.PIPE,
+                              text=True) for name in ("b", "c")]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "up"
+        _wait_for(lambda: survivor.watched() == {"b", "c"}, 10)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # c frozen
+        procs[0].kill()  # b dead
+        assert _wait_for(lambda: "b" not in survivor.alive_nodes(), 5) < 1.5
+        assert survivor.lost({"a", "b", "c"}) == {"b"}
+        time.sleep(2)
+        assert survivor.lost({"a", "c"}) == set()  # frozen, lease still valid: for the lease to decide
+    finally:
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+        survivor.stop()

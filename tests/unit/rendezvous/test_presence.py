@@ -1,0 +1,133 @@
+"""The presence link: a dead peer agent is reported within a moment; a live one (frozen, or one whose connection
+alone ended) never is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from elastictrain.rendezvous.presence import PresenceLink, join_address, ring_successors, split_address
+
+_PEER = """
+import sys, time
+from elastictrain.rendezvous.presence import PresenceLink
+link = PresenceLink("127.0.0.1", lambda node: None)
+print(link.address, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[subprocess.Popen, str]]:
+    """A process holding a presence listener (as a peer agent does); its address."""
+    proc = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
+    address = proc.stdout.readline().strip()
+    yield proc, address
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def watcher() -> Iterator[tuple[PresenceLink, list[tuple[str, float]]]]:
+    gone: list[tuple[str, float]] = []
+    link = PresenceLink("127.0.0.1", lambda node: gone.append((node, time.monotonic())))
+    yield link, gone
+    link.close()
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.02)
+
+
+def test_a_killed_peer_agent_is_reported_gone_within_a_moment(peer, watcher) -> None:
+    proc, address = peer
+    link, gone = watcher
+    link.watch({"b": address})
+    _wait_for(lambda: link.watched() == {"b"}, 5)
+    killed = time.monotonic()
+    proc.kill()
+    _wait_for(lambda: gone, 5)
+    assert gone[0][0] == "b"
+    assert gone[0][1] - killed < 1.0  # the lease would take lease_ttl (5 s by default)
+    time.sleep(0.5)
+    assert len(gone) == 1  # reported once, not again on every retry
+
+
+def test_a_frozen_peer_agent_is_not_reported(peer, watcher) -> None:
+    """SIGSTOP keeps the sockets open: a frozen or CPU-starved agent is left to its lease."""
+    proc, address = peer
+    link, gone = watcher
+    link.watch({"b": address})
+    _wait_for(lambda: link.watched() == {"b"}, 5)
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(2.0)
+    assert gone == []
+    assert link.watched() == {"b"}
+
+
+def test_a_link_that_ends_while_its_agent_listens_is_held_again_not_reported(watcher) -> None:
+    """A connection can end with its peer alive (a middlebox, the peer's accept loop): connectable means alive."""
+    link, gone = watcher
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        link.watch({"b": join_address("127.0.0.1", server.getsockname()[1])})
+        _wait_for(lambda: len(accepted) == 1, 5)
+        accepted[0].close()  # the peer ends this connection but keeps listening
+        _wait_for(lambda: len(accepted) == 2, 5)  # the watcher connected again
+        time.sleep(0.3)
+        assert gone == []
+        assert link.watched() == {"b"}
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_a_peer_no_longer_named_is_let_go(peer, watcher) -> None:
+    proc, address = peer
+    link, gone = watcher
+    link.watch({"b": address})
+    _wait_for(lambda: link.watched() == {"b"}, 5)
+    link.watch({})
+    _wait_for(lambda: link.watched() == set(), 5)
+    proc.kill()
+    time.sleep(0.5)
+    assert gone == []
+
+
+def test_ring_successors_and_addresses() -> None:
+    nodes = ["a", "b", "c", "d", "e"]
+    assert ring_successors(nodes, "d", 3) == ["e", "a", "b"]
+    assert ring_successors(["a", "b"], "a", 3) == ["b"]
+    assert ring_successors([], "a", 3) == []
+    assert split_address(join_address("::1", 80)) == ("::1", 80)
+    assert split_address("10.0.0.1:5") == ("10.0.0.1", 5)
