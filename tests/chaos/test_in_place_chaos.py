@@ -209,6 +209,7 @@ def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_p
         kept = job.wait_workers(first)
         saved = job.valid_checkpoints()
         reached = job.max_step()
+        killed = time.time()
         lost.kill()
         for folder in snapshot_base().glob(f"*-{lost.pid}"):
             shutil.rmtree(folder)
@@ -225,6 +226,9 @@ def test_a_smaller_world_renumbers_a_survivor_whose_worker_is_then_replaced_in_p
     assert {e.fields["world_size"] for e in shrinks} == {2}, dump
     assert {e.fields["agent_pid"]: e.fields["global_ranks"]["0"] for e in shrinks} == {first.pid: 0, last.pid: 1}, \
         dump
+    # The dead agent's lease was revoked by a survivor's presence link, not waited out (lease_ttl 5 s here).
+    assert "revoked its etcd lease" in first.log() + last.log(), job.logs()
+    assert min(e.time for e in shrinks) - killed < 4.0, dump
     replaced = [e for e in evs if e.kind == "restart" and e.fields.get("in_place")]
     assert [e.fields["replaced_ranks"] for e in replaced] == [[1]], dump
     new_pids = set(replaced[0].fields["pids"].values())
