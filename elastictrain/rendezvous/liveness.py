@@ -158,8 +158,8 @@ class NodeLiveness:
         """A peer's agent died (its presence link ended, its port refuses): revoke its lease, which every node's
         watch then reports as lost, instead of waiting for the lease's TTL."""
         lease = self._records.get(node, {}).get("lease")
-        if not isinstance(lease, int) or node not in self.alive_nodes():
-            return  # an agent that stopped cleanly revoked its own lease first (the watch saw its record go)
+        if not isinstance(lease, int) or not self.confirm_alive({node}):
+            return  # an agent that stopped cleanly revoked its own lease first: its record is gone already
         try:
             self._client.lease_revoke(lease)
         except Exception as e:  # noqa: BLE001 - already revoked or expired (NOT_FOUND), or etcd blinked: the TTL ends it
