@@ -143,8 +143,8 @@ class InPlace:
     def __init__(self, settings: InPlaceSettings, rank: int, world_size: int):
         self.settings, self.rank, self.world_size = settings, rank, world_size
         joined = os.environ.get(ENV_GENERATION)
-        self.generation: Optional[int] = int(joined) if joined else None
-        """The generation this process runs in; None until known (a first start reads it at its loop's start)."""
+        self._generation: Optional[int] = int(joined) if joined else None
+        self._generation_nodes: Optional[set[str]] = None
         self.replacement = joined is not None
         self.round = int(os.environ.get(ENV_ROUND, "-1"))
         """The rendezvous round this worker's group formed in (set by the agent; -1: unknown, no shrink)."""
@@ -158,6 +158,22 @@ class InPlace:
         lost node's place back, rendezvous/shrink.py); the step loop re-forms at its next step boundary."""
         self.grow_ready_at = 0.0
         """When `grow_ready` was set (monotonic): a re-form waits for a durable save in flight, but not forever."""
+
+    @property
+    def generation(self) -> Optional[int]:
+        """The generation this process runs in; None until known (a first start reads it at its loop's start)."""
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        """Also note the job's live nodes as this generation starts: a node lost later is told from them (the
+        presence links can revoke its lease before this worker even sees its collective fail; `wait_next`)."""
+        self._generation = value
+        try:
+            self._generation_nodes = self._nodes()
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types; `wait_next` reads them then
+            log.debug("could not read the job's nodes at generation %d: %s", value, e)
+            self._generation_nodes = None
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> Optional["InPlace"]:
@@ -243,7 +259,9 @@ class InPlace:
         """
         assert self.generation is not None, "the loop reads the generation at its start"
         deadline = time.monotonic() + self.settings.timeout_s
-        nodes = self._nodes()
+        # The nodes as the generation started, not as the wait starts: a dead node's lease can be revoked (presence
+        # links) before this worker saw its collective fail, and a node already gone would never count as lost.
+        nodes = self._generation_nodes if self._generation_nodes is not None else self._nodes()
         checked = time.monotonic()
         while True:
             newest = self.read_generation()

@@ -78,6 +78,21 @@ def test_with_its_place_held_a_node_that_leaves_is_waited_for_until_its_replacem
         worker.close()
 
 
+def test_a_node_gone_before_the_wait_began_is_still_seen_lost(etcd, run_id, agent_side):
+    """A peer's presence link revokes a dead node's lease within milliseconds, often before this worker's collective
+    with it fails: the node is gone when the wait begins. It still counts as lost (against the nodes as the
+    generation started), so a held place is waited for past the worker's own timeout, as when the lease expires
+    during the wait (before: no node counted as lost, and the timeout fell back to a restart of every worker)."""
+    client, prefix = agent_side
+    worker = _survivor(etcd, run_id, timeout_s=0.5, rejoin_s=30)
+    client.delete(f"{prefix}/nodes/b")  # gone before the survivor paused
+    _later(2.0, lambda: (client.put(f"{prefix}/nodes/c", b"{}"), next_generation(generations_store(client, prefix))))
+    try:
+        assert worker.wait_next(beat=lambda: None, stop=lambda: False) == 1
+    finally:
+        worker.close()
+
+
 def test_a_stop_or_the_timeout_ends_the_wait(etcd, run_id, agent_side):
     worker = _survivor(etcd, run_id, timeout_s=0.5)
     try:
