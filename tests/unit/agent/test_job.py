@@ -43,6 +43,13 @@ def test_with_pause_in_place_a_lost_nodes_place_is_held_as_long_as_the_rejoin_wa
     assert conf["in_place_rejoin"] == 0, "without pause in place a lost node starts a new round"
 
 
+def test_presence_links_are_on_by_default_and_the_config_or_a_flag_turns_them_off():
+    assert _request(["--config", CONFIG, *ETCD]).config.rdzv_configs["presence"] == 1
+    conf = _request(["--config", CONFIG, *ETCD, "--set", "elastic.presence_link=false"]).config.rdzv_configs
+    assert conf["presence"] == 0
+    assert _request(["--config", CONFIG, *ETCD, "--rdzv-conf", "presence=0"]).config.rdzv_configs["presence"] == "0"
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--rdzv-conf", "lease_ttl=300"], ("rdzv-conf lease_ttl", "rdzv-conf join_timeout")),
     (["--rdzv-conf", "rejoin_wait=20"], ("rdzv-conf rejoin_wait", "rdzv-conf last_call_timeout")),
