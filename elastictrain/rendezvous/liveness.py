@@ -143,14 +143,15 @@ class NodeLiveness:
                            "--local-addr to an address of this node that the other nodes reach)",
                            self._presence_host, e)
             return
-        self._info["presence"] = self._presence.address
+        self._info["presence"] = list(self._presence.address)
 
     def _update_records(self, records: dict[str, dict[str, Any]]) -> None:
         """Remember the peers' records (their presence address and lease) and link to this node's ring successors."""
         self._records = records
         if self._presence is None:
             return
-        addresses = {n: r["presence"] for n, r in records.items() if isinstance(r.get("presence"), str)}
+        addresses = {n: (r["presence"][0], int(r["presence"][1])) for n, r in records.items()
+                     if isinstance(r.get("presence"), list) and len(r["presence"]) == 2}
         successors = ring_successors(list(addresses), self.node_id, PRESENCE_PEERS)
         self._presence.watch({n: addresses[n] for n in successors if n != self.node_id})
 

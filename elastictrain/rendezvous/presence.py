@@ -39,15 +39,8 @@ def ring_successors(nodes: list[str], me: str, count: int) -> list[str]:
     return others[:count]
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` into (host, port)."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def join_address(host: str, port: int) -> str:
-    """(host, port) into `host:port`, an IPv6 host bracketed."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+Address = tuple[str, int]
+"""(host, port) of a presence listener, as published in its node record (a JSON pair)."""
 
 
 class PresenceLink:
@@ -63,21 +56,21 @@ class PresenceLink:
         except OSError:
             self._listener.close()
             raise
-        self.address = join_address(addr[0], self._listener.getsockname()[1])
+        self.address: Address = (addr[0], self._listener.getsockname()[1])
         self._on_gone = on_gone
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, ("listen", None))
-        self._targets: dict[str, str] = {}
+        self._targets: dict[str, Address] = {}
         self._targets_lock = threading.Lock()
-        self._links: dict[str, tuple[socket.socket, str]] = {}
+        self._links: dict[str, tuple[socket.socket, Address]] = {}
         self._next_try: dict[str, float] = {}
-        self._reported: set[tuple[str, str]] = set()
+        self._reported: set[tuple[str, Address]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="presence-link", daemon=True)
         self._thread.start()
 
-    def watch(self, targets: dict[str, str]) -> None:
-        """Hold links to exactly these peers (node id -> `host:port`); others are let go."""
+    def watch(self, targets: dict[str, Address]) -> None:
+        """Hold links to exactly these peers (node id -> listener address); others are let go."""
         with self._targets_lock:
             self._targets = dict(targets)
 
@@ -144,13 +137,13 @@ class PresenceLink:
             else:
                 self._next_try[node] = now + RETRY_S
 
-    def _connect(self, addr: str) -> socket.socket | Exception:
+    def _connect(self, addr: Address) -> socket.socket | Exception:
         try:
-            return socket.create_connection(split_address(addr), timeout=CONNECT_TIMEOUT_S)
+            return socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
         except OSError as e:
             return e
 
-    def _hold(self, node: str, addr: str, conn: socket.socket) -> None:
+    def _hold(self, node: str, addr: Address, conn: socket.socket) -> None:
         conn.setblocking(False)
         self._links[node] = (conn, addr)
         self._next_try.pop(node, None)
@@ -176,8 +169,8 @@ class PresenceLink:
             self._hold(node, addr, probe)  # the agent is there: only the connection ended
         elif isinstance(probe, ConnectionRefusedError):
             self._reported.add((node, addr))
-            log.info("presence link to node %s ended and %s refuses connections: its agent is gone", node, addr)
+            log.info("presence link to node %s ended and %s:%d refuses connections: its agent is gone", node, *addr)
             self._on_gone(node)
         else:
-            log.info("presence link to node %s ended; %s did not answer (%s): its lease decides", node, addr, probe)
+            log.info("presence link to node %s ended; %s:%d did not answer (%s): its lease decides", node, *addr, probe)
             self._next_try[node] = time.monotonic() + RETRY_S

@@ -14,23 +14,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastictrain.rendezvous.presence import PresenceLink, join_address, ring_successors, split_address
+from elastictrain.rendezvous.presence import Address, PresenceLink, ring_successors
 
 _PEER = """
 import sys, time
 from elastictrain.rendezvous.presence import PresenceLink
 link = PresenceLink("127.0.0.1", lambda node: None)
-print(link.address, flush=True)
+print(*link.address, flush=True)
 time.sleep(600)
 """
 
 
 @pytest.fixture
-def peer() -> Iterator[tuple[subprocess.Popen, str]]:
+def peer() -> Iterator[tuple[subprocess.Popen, Address]]:
     """A process holding a presence listener (as a peer agent does); its address."""
     proc = subprocess.Popen([sys.executable, "-c", _PEER], stdout=subprocess.PIPE, text=True)
-    address = proc.stdout.readline().strip()
-    yield proc, address
+    host, port = proc.stdout.readline().split()
+    yield proc, (host, int(port))
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
@@ -97,7 +97,7 @@ def test_a_link_that_ends_while_its_agent_listens_is_held_again_not_reported(wat
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        link.watch({"b": join_address("127.0.0.1", server.getsockname()[1])})
+        link.watch({"b": ("127.0.0.1", server.getsockname()[1])})
         _wait_for(lambda: len(accepted) == 1, 5)
         accepted[0].close()  # the peer ends this connection but keeps listening
         _wait_for(lambda: len(accepted) == 2, 5)  # the watcher connected again
@@ -124,10 +124,8 @@ def test_a_peer_no_longer_named_is_let_go(peer, watcher) -> None:
     assert gone == []
 
 
-def test_ring_successors_and_addresses() -> None:
+def test_ring_successors() -> None:
     nodes = ["a", "b", "c", "d", "e"]
     assert ring_successors(nodes, "d", 3) == ["e", "a", "b"]
     assert ring_successors(["a", "b"], "a", 3) == ["b"]
     assert ring_successors([], "a", 3) == []
-    assert split_address(join_address("::1", 80)) == ("::1", 80)
-    assert split_address("10.0.0.1:5") == ("10.0.0.1", 5)
