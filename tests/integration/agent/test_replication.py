@@ -147,6 +147,31 @@ def test_no_replica_goes_out_while_a_local_worker_restores_but_not_for_longer_th
           timeout=5)
 
 
+def test_a_rank_restarted_on_a_new_node_does_not_send_back_the_snapshot_it_copied_from_its_peer(make_node):
+    """Node x is lost; its rank restarts on a new node y and copies its snapshot from a, which held x's replica. y
+    does not send those bytes back to a (at 150M, 1.2 GB on the cores the first step after the restore trains on):
+    a holds them, so the snapshot counts as replicated; y's next snapshot goes to a as usual."""
+    a, x = make_node("a"), make_node("x")
+    _ring(a, x)
+    store_x = SnapshotStore(x.folder, 1, JOB)
+    store_x.save(3, {"x": 3})
+    _wait("x's step 3 on a", lambda: a.replicas("x", 1) == [3])
+    x.stop()  # node x is lost
+    y = make_node("y")
+    _ring(a, y)
+    offers, why = find_offers(y.folder, 1, JOB)
+    assert 3 in offers and offers[3].peer.node == "node-a", why
+    fetch_offer(offers[3], y.folder / "rank1")  # what the restarted rank does before it loads
+    _wait("y counts step 3 as replicated on a", lambda: y.replicator.replicated() == (3, "node-a"), timeout=5)
+    time.sleep(0.5)  # 25 polls
+    assert a.replicas("y", 1) == [], \
+        "the copied snapshot was sent back to the node it came from"
+    SnapshotStore(y.folder, 1, JOB).save(4, {"x": 4})
+    _wait("y's step 4 on a", lambda: a.replicas("y", 1)[:1] == [4])
+    assert a.replicas("x", 1) == [], "a keeps only the newest sender's replica of rank 1"
+    assert not y.kinds("checkpoint_snapshot_replica_failed")
+
+
 def test_the_ring_closes_over_a_lost_node(make_node):
     a, b, c = make_node("a"), make_node("b"), make_node("c")
     _ring(a, b, c)
