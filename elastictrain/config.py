@@ -306,10 +306,6 @@ class ElasticConfig:
     does not wait for Python, torch and the model code to import."""
     prewarm: list[str] = field(default_factory=list)
     """Modules a spare imports before it waits (`--prewarm a,b`); a user's script's spares also import torch."""
-    spares_refill_min_left_s: float = 30.0
-    """Spares used by a restart or a replacement are started again once the new group made its first step, unless
-    the job ends sooner than this at its pace (each costs an import's CPU, about 6 s of a core, that a restart this
-    close to the end would hardly win back). 0: always refill (short jobs that must recover fast, e.g. tests)."""
     replica_bandwidth: Union[int, str, None] = None
     """The most bytes per second the peer replicas of in-memory snapshots may send from this node (an integer, or a
     size such as 200MB): on a CPU node they take cores from training; None: as fast as they go."""

@@ -77,8 +77,7 @@ a group that never reports one (stuck loading, a script without our API) must no
 
 REFILL_MIN_LEFT_S = 30.0
 """No spares are refilled when the job ends sooner than this at the group's pace (`total_steps` known) or is ending:
-each costs an import's CPU (about 6 s on a core) that a restart this close to the end would hardly win back. The
-default of `elastic.spares_refill_min_left_s` (`refill_min_left_s`)."""
+each costs an import's CPU (about 6 s on a core) that a restart this close to the end would hardly win back."""
 
 MAX_MONITOR_INTERVAL_S = 0.5
 """A worker exit must be seen within this; a longer --monitor-interval is allowed but warned about."""
@@ -176,7 +175,6 @@ class ElasticAgent(LocalElasticAgent):
         clock: Callable[[], float] = time.monotonic,
         warm_spares: bool = True,
         warm_pool: WarmPool | None = None,
-        refill_min_left_s: float = REFILL_MIN_LEFT_S,
     ):
         kwargs: dict[str, Any] = {"log_line_prefix_template": log_line_prefix_template}
         if _TORCH_HAS_SHUTDOWN_TIMEOUT:
@@ -196,7 +194,6 @@ class ElasticAgent(LocalElasticAgent):
         self._warm: WarmPool | None = None
         self._refill = False
         self._refill_by = 0.0
-        self._refill_min_left_s = refill_min_left_s
         self._spares_announced = True
         self.total_steps = 0
         self._hang_deferred: dict[int, tuple[Any, Any]] | None = None
@@ -794,7 +791,7 @@ class ElasticAgent(LocalElasticAgent):
         cores the first step after a restart took 17.6 s instead of 11 s), unless the job is about to end."""
         assert self._warm is not None
         left = self._health.seconds_left(self.total_steps) if self.total_steps else None
-        if self._health.finishing() or (left is not None and left < self._refill_min_left_s):
+        if self._health.finishing() or (left is not None and left < REFILL_MIN_LEFT_S):
             self._refill = False
             log.info("not refilling spare workers: the job ends %s", "now" if left is None else f"in ~{left:.0f}s")
             return

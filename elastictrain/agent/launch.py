@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
-from elastictrain.agent.agent import REFILL_MIN_LEFT_S, AgentEventListener, ElasticAgent, JsonlEventLog
+from elastictrain.agent.agent import AgentEventListener, ElasticAgent, JsonlEventLog
 from elastictrain.agent.budget import RestartBudget
 from elastictrain.agent.health import HealthConfig
 from elastictrain.agent.logs_specs import ScratchLogsSpecs
@@ -58,7 +58,6 @@ class LaunchRequest:
     warm_spares: bool = True
     prewarm: list[str] = field(default_factory=list)
     """Modules the spare workers import before they wait (torch's for a user's script; `--prewarm`)."""
-    refill_min_left_s: float = REFILL_MIN_LEFT_S
 
 
 def get_args_parser(elastic: ElasticConfig | None = None) -> argparse.ArgumentParser:
@@ -98,10 +97,6 @@ def get_args_parser(elastic: ElasticConfig | None = None) -> argparse.ArgumentPa
     s.add_argument("--prewarm", type=_module_list, default=list(elastic.prewarm) if elastic else [],
                    metavar="MOD[,MOD...]", help="modules the spares import before they wait (a script's spares "
                    "also import torch and torch.distributed)")
-    s.add_argument("--spares-refill-min-left", dest="refill_min_left_s", type=float,
-                   default=elastic.spares_refill_min_left_s if elastic else REFILL_MIN_LEFT_S, metavar="SECONDS",
-                   help="refill used spares only while the job has at least this long left (default %(default)s; "
-                        "0: always)")
     g.add_argument("--event-log", default=None,
                    help="append agent events (join, restart, failure, hang, ...) as JSON lines to this file")
     m = parser.add_argument_group("elastictrain metrics")
@@ -191,7 +186,7 @@ def request_from_args(args: argparse.Namespace, elastic: ElasticConfig | None = 
     prewarm = list(dict.fromkeys([*(SCRIPT_PREWARM if user_code else ()), *args.prewarm]))
     return LaunchRequest(config=config, entrypoint=entrypoint, args=list(cmd_args), health=health,
                          event_log=args.event_log, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                         warm_spares=args.warm_spares, prewarm=prewarm, refill_min_left_s=args.refill_min_left_s)
+                         warm_spares=args.warm_spares, prewarm=prewarm)
 
 
 def launch(
@@ -205,7 +200,6 @@ def launch(
     on_agent: Callable[[ElasticAgent], None] | None = None,
     warm_spares: bool = True,
     warm_pool: WarmPool | None = None,
-    refill_min_left_s: float = REFILL_MIN_LEFT_S,
 ) -> dict[int, Any]:
     """Run our agent until the worker group finishes, like torch's ``launch_agent``.
 
@@ -263,7 +257,6 @@ def launch(
         shutdown_timeout=shutdown_timeout,
         warm_spares=warm_spares,
         warm_pool=warm_pool,
-        refill_min_left_s=refill_min_left_s,
     )
     log.info("starting agent: nodes %d..%d, %d workers per node, rdzv %s at %r (run %s), max restarts %d, "
              "health %s", config.min_nodes, config.max_nodes, config.nproc_per_node, config.rdzv_backend,
@@ -302,8 +295,7 @@ def run(argv: Sequence[str]) -> dict[int, Any]:
     sweep_orphan_scratch()  # the folders of an agent that was SIGKILLed on this node
     listeners = [JsonlEventLog(request.event_log)] if request.event_log else []
     return launch(request.config, request.entrypoint, request.args, health=request.health, listeners=listeners,
-                  warm_spares=request.warm_spares, warm_pool=warm_pool(request),
-                  refill_min_left_s=request.refill_min_left_s)
+                  warm_spares=request.warm_spares, warm_pool=warm_pool(request))
 
 
 def warm_pool(request: LaunchRequest) -> WarmPool | None:

@@ -105,11 +105,10 @@ class Job:
                 *self.agent_args()]
 
     def agent_args(self) -> list[str]:
-        """The overrides as `--set`s, then the agent's flags. Spares are refilled however soon the job ends (its 24
-        steps take seconds): a fault after the first then finds a warm spare, as in a long job, not a cold start."""
+        """The overrides as `--set`s, then the agent's flags."""
         return [*(x for o in self.overrides for x in ("--set", o)), "--nnodes", self.nnodes, "--nproc-per-node", "1",
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--max-restarts", str(self.max_restarts),
-                "--heartbeat-timeout", str(HANG_FLOOR_S), "--spares-refill-min-left", "0"]
+                "--heartbeat-timeout", str(HANG_FLOOR_S)]
 
     def start_node(self, name: str, env: Optional[dict[str, str]] = None, prefix: Sequence[str] = (),
                    args: Sequence[str] = ()) -> Node:

@@ -120,14 +120,6 @@ def test_flags_win_over_the_yaml_and_set_wins_over_the_file(tmp_path: Path):
     assert req.health.hang_floor_s == 2 and not req.warm_spares and not req.health.expect_beats
 
 
-def test_the_spares_refill_minimum_comes_from_the_config_and_the_flag_wins(tmp_path: Path):
-    assert _request([*ETCD, "train.py"]).refill_min_left_s == 30
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text("elastic:\n  spares_refill_min_left_s: 5\n")
-    assert _request(["--config", str(cfg), *ETCD, "train.py"]).refill_min_left_s == 5
-    assert _request(["--config", str(cfg), *ETCD, "--spares-refill-min-left", "0", "train.py"]).refill_min_left_s == 0
-
-
 def test_heartbeat_timeout_zero_in_the_yaml_turns_hang_detection_off(tmp_path: Path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text("elastic:\n  hang:\n    floor_s: 0\n")
