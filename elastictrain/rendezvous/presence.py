@@ -15,6 +15,7 @@ No data is exchanged: the connections only carry their opening and their end.
 
 from __future__ import annotations
 
+import errno
 import logging
 import selectors
 import socket
@@ -25,7 +26,8 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 0.5
-"""A connect (or the probe after a link ended) that takes longer tells nothing: the lease decides then."""
+"""A connect (or the probe after a link ended) that takes longer tells nothing: the lease decides then. Connects
+do not block: the one thread goes on watching the other links while a dark host's connect waits out this time."""
 RETRY_S = 2.0
 """How long after a failed connect a peer is tried again."""
 _TICK_S = 0.2
@@ -63,6 +65,8 @@ class PresenceLink:
         self._targets: dict[str, Address] = {}
         self._targets_lock = threading.Lock()
         self._links: dict[str, tuple[socket.socket, Address]] = {}
+        self._connecting: dict[str, tuple[socket.socket, Address, float, bool]] = {}
+        """Connects under way: node -> (socket, address, deadline, whether it probes a link that ended)."""
         self._next_try: dict[str, float] = {}
         self._reported: set[tuple[str, Address]] = set()
         self._stop = threading.Event()
@@ -75,7 +79,7 @@ class PresenceLink:
             self._targets = dict(targets)
 
     def watched(self) -> set[str]:
-        """Peers a link is held to now."""
+        """Peers a link is held to now (connects under way not counted)."""
         return set(self._links)
 
     def close(self) -> None:
@@ -96,8 +100,11 @@ class PresenceLink:
                         self._accept()
                     elif kind == "served":
                         self._drain_served(key.fileobj)  # type: ignore[arg-type]
+                    elif kind == "connect":
+                        self._connect_done(node)
                     else:
                         self._link_ended(node)
+                self._expire_connects()
             except Exception:  # noqa: BLE001 - the link is an optimisation: the lease still decides
                 log.warning("presence link loop error; going on", exc_info=True)
                 self._stop.wait(_TICK_S)
@@ -127,21 +134,65 @@ class PresenceLink:
             targets = dict(self._targets)
         for node in [n for n, (_, addr) in self._links.items() if targets.get(n) != addr]:
             self._drop(node)
+        for node in [n for n, (_, addr, _, _) in self._connecting.items() if targets.get(n) != addr]:
+            self._abandon(node)
         now = time.monotonic()
         for node, addr in targets.items():
-            if node in self._links or now < self._next_try.get(node, 0.0) or (node, addr) in self._reported:
+            if node in self._links or node in self._connecting or now < self._next_try.get(node, 0.0) \
+                    or (node, addr) in self._reported:
                 continue
-            conn = self._connect(addr)
-            if isinstance(conn, socket.socket):
-                self._hold(node, addr, conn)
-            else:
-                self._next_try[node] = now + RETRY_S
+            self._start_connect(node, addr, probe=False)
 
-    def _connect(self, addr: Address) -> socket.socket | Exception:
+    def _start_connect(self, node: str, addr: Address, probe: bool) -> None:
+        """Connect without blocking; the outcome comes to `_connected` (at once, when the kernel knows it already)."""
         try:
-            return socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+            family, _, _, _, sockaddr = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)[0]
+            conn = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
-            return e
+            self._connected(node, addr, None, e.errno or errno.EHOSTUNREACH, probe)
+            return
+        conn.setblocking(False)
+        code = conn.connect_ex(sockaddr)
+        if code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
+            self._connecting[node] = (conn, addr, time.monotonic() + CONNECT_TIMEOUT_S, probe)
+            self._selector.register(conn, selectors.EVENT_WRITE, ("connect", node))
+            return
+        self._connected(node, addr, conn, code, probe)
+
+    def _connect_done(self, node: str) -> None:
+        conn, addr, _, probe = self._connecting.pop(node)
+        self._selector.unregister(conn)
+        self._connected(node, addr, conn, conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), probe)
+
+    def _expire_connects(self) -> None:
+        now = time.monotonic()
+        for node in [n for n, (_, _, deadline, _) in self._connecting.items() if now >= deadline]:
+            conn, addr, _, probe = self._connecting.pop(node)
+            self._selector.unregister(conn)
+            self._connected(node, addr, conn, errno.ETIMEDOUT, probe)
+
+    def _abandon(self, node: str) -> None:
+        conn, _, _, _ = self._connecting.pop(node)
+        self._selector.unregister(conn)
+        conn.close()
+
+    def _connected(self, node: str, addr: Address, conn: socket.socket | None, code: int, probe: bool) -> None:
+        """A connect's outcome (`code`: 0 or an errno). Held when accepted; a refused probe (a link that ended and
+        nothing listens there now) reports the peer gone; anything else is tried again later, the lease deciding."""
+        if code == 0 and conn is not None:
+            self._hold(node, addr, conn)
+            return
+        if conn is not None:
+            conn.close()
+        if probe and code == errno.ECONNREFUSED:
+            self._reported.add((node, addr))
+            log.info("presence link to node %s ended and %s:%d refuses connections: its agent is gone", node, *addr)
+            self._on_gone(node)
+            return
+        if probe:
+            log.info("presence link to node %s ended; %s:%d did not answer (%s): its lease decides", node, *addr,
+                     errno.errorcode.get(code, code))
+        self._next_try[node] = time.monotonic() + RETRY_S
 
     def _hold(self, node: str, addr: Address, conn: socket.socket) -> None:
         conn.setblocking(False)
@@ -164,13 +215,4 @@ class PresenceLink:
         except OSError:
             pass
         self._drop(node)
-        probe = self._connect(addr)
-        if isinstance(probe, socket.socket):
-            self._hold(node, addr, probe)  # the agent is there: only the connection ended
-        elif isinstance(probe, ConnectionRefusedError):
-            self._reported.add((node, addr))
-            log.info("presence link to node %s ended and %s:%d refuses connections: its agent is gone", node, *addr)
-            self._on_gone(node)
-        else:
-            log.info("presence link to node %s ended; %s:%d did not answer (%s): its lease decides", node, *addr, probe)
-            self._next_try[node] = time.monotonic() + RETRY_S
+        self._start_connect(node, addr, probe=True)  # accepted: the agent is there, only the connection ended

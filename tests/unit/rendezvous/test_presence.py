@@ -124,6 +124,35 @@ def test_a_peer_no_longer_named_is_let_go(peer, watcher) -> None:
     assert gone == []
 
 
+def test_peers_whose_connects_hang_do_not_delay_seeing_a_killed_one(peer, watcher) -> None:
+    """Hosts gone dark (connects neither accepted nor refused: here listeners whose backlog is full) cost their
+    connect timeout each, every retry; the links' one thread must still see another peer die at once. With blocking
+    connects five such peers held it up to 2.5 s of every 2.5 s."""
+    proc, address = peer
+    link, gone = watcher
+    dark: list[socket.socket] = []
+    try:
+        targets: dict[str, Address] = {}
+        for i in range(5):
+            listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+            dark.append(listener)
+            dark.append(socket.create_connection(listener.getsockname()[:2]))  # fills the backlog: the next hang
+            targets[f"dark{i}"] = listener.getsockname()[:2]
+        link.watch({**targets, "b": address})
+        _wait_for(lambda: link.watched() == {"b"}, 5)
+        time.sleep(1.0)  # into the retries of the dark ones
+        killed = time.monotonic()
+        proc.kill()
+        _wait_for(lambda: gone, 5)
+        assert gone[0][0] == "b" and gone[0][1] - killed < 0.75, (gone, killed)
+        time.sleep(1.5)
+        assert [node for node, _ in gone] == ["b"], "a peer that only does not answer was reported gone"
+        assert link.watched() == set()
+    finally:
+        for s in dark:
+            s.close()
+
+
 def test_ring_successors() -> None:
     nodes = ["a", "b", "c", "d", "e"]
     assert ring_successors(nodes, "d", 3) == ["e", "a", "b"]
