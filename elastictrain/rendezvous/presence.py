@@ -215,4 +215,4 @@ class PresenceLink:
         except OSError:
             pass
         self._drop(node)
-        self._start_connect(node, addr, probe=True)  # accepted: the agent is there, only the connection ended
+        self._start_connect(node, addr, probe=True)  # refused: gone; accepted: held again; else the lease decides
