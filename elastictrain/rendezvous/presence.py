@@ -30,6 +30,9 @@ CONNECT_TIMEOUT_S = 0.5
 do not block: the one thread goes on watching the other links while a dark host's connect waits out this time."""
 RETRY_S = 2.0
 """How long after a failed connect a peer is tried again."""
+REPROBES = 3
+"""A probe reset by the peer (its agent dying as the probe came: the dying listener took the connection, then reset
+it) is made again at once, this many times at most; then the lease decides."""
 _TICK_S = 0.2
 
 
@@ -68,6 +71,7 @@ class PresenceLink:
         self._connecting: dict[str, tuple[socket.socket, Address, float, bool]] = {}
         """Connects under way: node -> (socket, address, deadline, whether it probes a link that ended)."""
         self._next_try: dict[str, float] = {}
+        self._reprobes: dict[str, int] = {}
         self._reported: set[tuple[str, Address]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="presence-link", daemon=True)
@@ -185,16 +189,25 @@ class PresenceLink:
         if conn is not None:
             conn.close()
         if probe and code == errno.ECONNREFUSED:
+            self._reprobes.pop(node, None)
             self._reported.add((node, addr))
             log.info("presence link to node %s ended and %s:%d refuses connections: its agent is gone", node, *addr)
             self._on_gone(node)
             return
+        if probe and code in (errno.ECONNRESET, errno.ECONNABORTED) and self._reprobes.get(node, 0) < REPROBES:
+            # Seen on loopback: a SIGKILLed agent's listener, closing as the probe came, took the connection and
+            # reset it. Asked again, the port refuses. (A blocking connect had returned that connection as made.)
+            self._reprobes[node] = self._reprobes.get(node, 0) + 1
+            self._start_connect(node, addr, probe=True)
+            return
+        self._reprobes.pop(node, None)
         if probe:
             log.info("presence link to node %s ended; %s:%d did not answer (%s): its lease decides", node, *addr,
                      errno.errorcode.get(code, code))
         self._next_try[node] = time.monotonic() + RETRY_S
 
     def _hold(self, node: str, addr: Address, conn: socket.socket) -> None:
+        self._reprobes.pop(node, None)
         conn.setblocking(False)
         self._links[node] = (conn, addr)
         self._next_try.pop(node, None)
