@@ -59,6 +59,10 @@ class NodeLiveness:
         self._watch_broken = threading.Event()
         self._info: dict[str, Any] = {}
         self._records: dict[str, dict[str, Any]] = {}
+        self._records_lock = threading.Lock()
+        """The watch thread and the keep-alive loop (its reseed) both replace `_records`: taken for the whole
+        read-modify-write, so that neither puts back what the other removed or drops what it added. Before
+        `_alive_lock` when both are held."""
         self._presence_host = presence_host
         self._presence: PresenceLink | None = None
 
@@ -192,10 +196,11 @@ class NodeLiveness:
         except EtcdUnavailableError:
             return
         present = {k[len(self._prefix):] for k in records}
-        self._update_records({k[len(self._prefix):]: _parse(v) for k, v in records.items()})
-        with self._alive_lock:
-            changed = present != self._alive
-            self._alive = present
+        with self._records_lock:
+            self._update_records({k[len(self._prefix):]: _parse(v) for k, v in records.items()})
+            with self._alive_lock:
+                changed = present != self._alive
+                self._alive = present
         if changed and self.on_change is not None:
             self.on_change()
 
@@ -205,21 +210,22 @@ class NodeLiveness:
             self._watch_broken.set()
             return
         changed = False
-        records = dict(self._records)
-        with self._alive_lock:
-            for event in response.events:
-                node = event.key.decode()[len(self._prefix):]
-                if isinstance(event, etcd_events.DeleteEvent):
-                    logger.info("node record %s deleted (lease expired or revoked)", node)
-                    self._alive.discard(node)
-                    records.pop(node, None)
-                    changed = True
-                else:
-                    records[node] = _parse(event.value)
-                    if node not in self._alive:
-                        self._alive.add(node)
+        with self._records_lock:
+            records = dict(self._records)
+            with self._alive_lock:
+                for event in response.events:
+                    node = event.key.decode()[len(self._prefix):]
+                    if isinstance(event, etcd_events.DeleteEvent):
+                        logger.info("node record %s deleted (lease expired or revoked)", node)
+                        self._alive.discard(node)
+                        records.pop(node, None)
                         changed = True
-        self._update_records(records)
+                    else:
+                        records[node] = _parse(event.value)
+                        if node not in self._alive:
+                            self._alive.add(node)
+                            changed = True
+            self._update_records(records)
         if changed and self.on_change is not None:
             self.on_change()
 
