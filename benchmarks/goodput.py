@@ -223,11 +223,15 @@ def analyse(done: list[Completed], events: list[dict], t_base: float, t0: float,
     }
 
 
-def start(system: str, conf: str, work: Path, endpoint: Optional[str], attempts: int) -> tuple[Job, list[str]]:
-    """A job whose 2-node group has completed a step; a start that split in two is killed and tried again."""
+def start(system: str, conf: str, work: Path, endpoint: Optional[str], attempts: int,
+          pin: bool = False) -> tuple[Job, list[str]]:
+    """A job whose 2-node group has completed a step; a start that split in two is killed and tried again.
+    `pin`: node a's processes on CPU 0, node b's on CPU 1 (`--pin-nodes`)."""
     failures: list[str] = []
     for i in range(attempts):
         job = Job(system, conf, work / f"start-{i}", endpoint)
+        if pin:
+            job.pin = {"a": 0, "b": 1}
         job.start_both()
         try:
             if _trained(job, -1, 1):
@@ -301,7 +305,7 @@ def run_system(system: str, conf: str, work: Path, endpoint: Optional[str], faul
     wall_offset = time.time() - time.monotonic()
     t_launch = time.monotonic()
     try:
-        job, failed_starts = start(system, conf, work, endpoint, args.start_attempts)
+        job, failed_starts = start(system, conf, work, endpoint, args.start_attempts, args.pin_nodes)
     except RuntimeError as e:
         return {"error": str(e), "load_avg_1m": load_start}
     try:
@@ -458,6 +462,10 @@ def main() -> None:
     p.add_argument("--faults", default="worker", help="kinds in turn: worker, node (node kill + re-join)")
     p.add_argument("--rejoin-after", type=float, default=5.0, help="seconds from a node kill to its restart")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--pin-nodes", action="store_true",
+                   help="node a's agent and workers on CPU 0, node b's on CPU 1 (taskset; needs 2 CPUs): the two "
+                        "simulated nodes no longer share cores, as separate hosts do not (a restarted node's imports "
+                        "then cannot slow the survivor); etcd and this driver run on either")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", help=f"system:conf list, confs from recovery.py's CONFS ({DEFAULTS['systems']})")
     p.add_argument("--start-attempts", type=int, default=3, help="starts tried when a job splits into two")
@@ -513,7 +521,7 @@ def main() -> None:
         "confs": {s: CONFS[s.split(":")[0]][s.split(":")[1]] for s in systems},
         "settings": {"duration_s": args.duration, "baseline_s": args.baseline, "every_s": args.every,
                      "jitter": args.jitter, "faults": args.faults, "rejoin_after_s": args.rejoin_after,
-                     "rounds": args.rounds, "seed": args.seed, "quick": args.quick},
+                     "rounds": args.rounds, "seed": args.seed, "quick": args.quick, "pin_nodes": args.pin_nodes},
         "schedule": [asdict(f) for f in faults],
         "metric": "goodput = useful steps per second in the fault window / fault-free steps per second of the same "
                   "job; useful = steps of the final committed timeline (newest launch per step) completed in the "

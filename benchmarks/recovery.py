@@ -190,6 +190,9 @@ class Job:
         self.port = _free_port()
         self.nodes: list[Node] = []
         self.watch = LedgerWatch(self.out / "samples")
+        self.pin: dict[str, int] = {}
+        """Node name -> the CPU its agent and workers run on (`taskset`; their children inherit it): each simulated
+        node on cores of its own, as separate hosts are. Empty: every process on every CPU."""
 
     def command(self, name: str) -> list[str]:
         sets = [*FAST, *EXTRA_SETS, f"train.output_dir={self.out}", f"checkpoint.url={self.out}/ckpt",
@@ -214,7 +217,10 @@ class Job:
         return cmd
 
     def start(self, name: str) -> Node:
-        node = Node(name, self.command(name), worker_env(), self.out / f"{name}-{len(self.nodes)}.log")
+        cmd = self.command(name)
+        if name in self.pin:
+            cmd = ["taskset", "-c", str(self.pin[name]), *cmd]  # taskset execs the command: same pid, same group
+        node = Node(name, cmd, worker_env(), self.out / f"{name}-{len(self.nodes)}.log")
         self.nodes.append(node)
         return node
 
