@@ -131,12 +131,18 @@ def _prewarm(target: Target, modules: Sequence[str]) -> None:
 
 
 def import_nicely(nice: str) -> Callable[[], None]:
-    """Lower this thread's CPU priority by `nice` (a refill's imports, several CPU-seconds, then take the cores only
-    when the training workers leave them idle); returns what puts it back, called when the spare is assigned or
-    dismissed. Only where the priority can be raised again (root, CAP_SYS_NICE or RLIMIT_NICE; tried first in a
-    throwaway thread: Linux keeps the nice value per thread): an unprivileged process cannot, and a worker left at a
-    low priority would hold back the whole group. Elsewhere the spare imports at normal priority, as before. An
-    assignment that arrives while the imports still run restores the priority at once (a thread waits for it)."""
+    """Lower this thread's CPU priority by `nice` and put it under Linux's SCHED_IDLE policy (a refill's imports,
+    several CPU-seconds, then take the cores only when the training workers leave them idle); returns what puts both
+    back, called when the spare is assigned or dismissed. Only where the priority can be raised again (root,
+    CAP_SYS_NICE or RLIMIT_NICE; tried first in a throwaway thread: Linux keeps the nice value and the policy per
+    thread): an unprivileged process cannot, and a worker left at a low priority would hold back the whole group.
+    Elsewhere the spare imports at normal priority, as before. An assignment that arrives while the imports still
+    run restores the priority at once (a thread waits for it).
+
+    Why SCHED_IDLE as well as nice 19: a nice-19 task still runs out its time slice when a training worker wakes on
+    its core, and a small model's step wakes its worker dozens of times (one per collective): with a refill importing
+    beside it, the tiny model's steps ran at half their pace for the 8-9 s of the imports (goodput.py, seed 7, each
+    refill; the time ledger called it training). A waking task preempts a SCHED_IDLE one at once."""
     def nothing() -> None:
         return None
 
@@ -151,14 +157,23 @@ def import_nicely(nice: str) -> Callable[[], None]:
         os.setpriority(os.PRIO_PROCESS, main, min(19, base + int(nice)))
     except OSError:
         return nothing
+    policy = os.sched_getscheduler(main)
+    idle = policy == os.SCHED_OTHER and _can_leave_idle_policy()
+    if idle:
+        try:
+            os.sched_setscheduler(main, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            idle = False
     restored = threading.Lock()
 
     def restore() -> None:
         if not restored.acquire(blocking=False):
             return
-        # Every thread: those the imports started (one, from torch) inherited the lower priority.
+        # Every thread: those the imports started (one, from torch) inherited the lower priority and the policy.
         for tid in [main, *(int(t) for t in _tasks() if int(t) != main)]:
             try:
+                if idle and os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, policy, os.sched_param(0))
                 if os.getpriority(os.PRIO_PROCESS, tid) > base:
                     os.setpriority(os.PRIO_PROCESS, tid, base)
             except ProcessLookupError:  # a thread that ended meanwhile
@@ -199,6 +214,32 @@ def _can_raise_priority_again() -> bool:
             result.append(False)
 
     thread = threading.Thread(target=probe, name="nice-probe")
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
+
+
+def _can_leave_idle_policy() -> bool:
+    """Whether this process can put a thread under SCHED_IDLE and take it back to SCHED_OTHER (root, CAP_SYS_NICE,
+    or Linux >= 2.6.39 with RLIMIT_NICE allowing the nice value), tried in a throwaway thread."""
+    import threading
+
+    result: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            result.append(False)
+            return
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except OSError:
+            result.append(False)  # the thread ends here: the process keeps its policy
+
+    thread = threading.Thread(target=probe, name="idle-probe")
     thread.start()
     thread.join()
     return bool(result and result[0])

@@ -15,7 +15,12 @@ import psutil
 import pytest
 
 from elastictrain.agent.spares import REFILL_NICE, WarmPool
-from elastictrain.runtime.warmstart import _can_raise_priority_again, assigned_rank, idle_spares
+from elastictrain.runtime.warmstart import (
+    _can_leave_idle_policy,
+    _can_raise_priority_again,
+    assigned_rank,
+    idle_spares,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +56,7 @@ def test_a_spare_imports_ahead_then_runs_the_worker_as_assigned(tmp_path, in_rep
         assert handler.proc.wait(timeout=60) == 0
         ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
         assert ran == {"rank": "7", "argv": [str(tmp_path)], "name": "__main__", "prewarmed": True,
-                       "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+                       "nice": os.getpriority(os.PRIO_PROCESS, 0), "policy": os.sched_getscheduler(0)}
         assert (tmp_path / "out.log").read_text() == "worker 7 says hello\n"
         assert idle_spares(os.getpid()) == (0, 0)
         assert pool.served == 1 and pool.serve(0, args, {"RANK": "0"}, None, None) is None  # empty: start cold
@@ -59,10 +64,12 @@ def test_a_spare_imports_ahead_then_runs_the_worker_as_assigned(tmp_path, in_rep
         pool.close()
 
 
-@pytest.mark.skipif(not _can_raise_priority_again(), reason="needs CAP_SYS_NICE or RLIMIT_NICE (else: normal priority)")
-def test_a_refill_imports_at_low_priority_and_works_at_normal_priority_once_assigned(tmp_path, in_repo):
-    """A spare refilled while the job trains imports at nice 19 (the workers keep the cores); assigned while still
-    importing, it is back at the agent's priority at once, all its threads, and so is the worker it becomes."""
+@pytest.mark.skipif(not _can_raise_priority_again() or not _can_leave_idle_policy(),
+                    reason="needs CAP_SYS_NICE or RLIMIT_NICE (else: normal priority)")
+def test_a_refill_imports_at_idle_priority_and_works_at_normal_priority_once_assigned(tmp_path, in_repo):
+    """A spare refilled while the job trains imports at nice 19 under SCHED_IDLE (a training worker that wakes on its
+    core takes it at once); assigned while still importing, it is back at the agent's priority and policy at once,
+    all its threads, and so is the worker it becomes."""
     args = ("-u", "-m", MODULE, str(tmp_path))
     base = os.getpriority(os.PRIO_PROCESS, 0)
     (tmp_path / "hold").touch()  # the spare's imports go on until the file is gone
@@ -71,31 +78,33 @@ def test_a_refill_imports_at_low_priority_and_works_at_normal_priority_once_assi
         assert pool.fill(while_training=True) == 1
         assert _wait(lambda: list(tmp_path.glob("prewarmed-*")))
         (prewarmed,) = tmp_path.glob("prewarmed-*")
-        assert int(prewarmed.read_text()) == min(19, base + REFILL_NICE)
+        assert json.loads(prewarmed.read_text()) == {"nice": min(19, base + REFILL_NICE), "policy": os.SCHED_IDLE}
         handler = pool.serve(0, args, {"RANK": "0"}, None, None)
         assert handler is not None
-        assert _wait(lambda: _thread_nices(handler.proc.pid) == {base}, timeout=10), _thread_nices(handler.proc.pid)
+        assert _wait(lambda: _thread_sched(handler.proc.pid) == {(base, os.SCHED_OTHER)}, timeout=10), \
+            _thread_sched(handler.proc.pid)
         (tmp_path / "hold").unlink()
         assert handler.proc.wait(timeout=60) == 0
         ran = json.loads((tmp_path / f"ran-{handler.proc.pid}.json").read_text())
-        assert ran["nice"] == base and ran["prewarmed"]
+        assert ran["nice"] == base and ran["policy"] == os.SCHED_OTHER and ran["prewarmed"]
         prewarmed.unlink()
         assert pool.fill() == 1 and _wait(lambda: pool.ready() == 1)  # the first spares: nothing trains yet
         (first,) = tmp_path.glob("prewarmed-*")
-        assert int(first.read_text()) == base
+        assert json.loads(first.read_text()) == {"nice": base, "policy": os.SCHED_OTHER}
     finally:
         pool.close()
 
 
-def _thread_nices(pid: int) -> set[int]:
-    """The nice value of each of the process's threads (/proc/PID/task/TID/stat field 19)."""
+def _thread_sched(pid: int) -> set[tuple[int, int]]:
+    """(nice value, scheduling policy) of each of the process's threads (/proc/PID/task/TID/stat fields 19 and 41)."""
     out = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except OSError:
             continue
-        out.add(int(stat.rsplit(")", 1)[1].split()[16]))
+        fields = stat.rsplit(")", 1)[1].split()
+        out.add((int(fields[16]), int(fields[38])))
     return out
 
 
