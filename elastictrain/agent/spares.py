@@ -116,7 +116,9 @@ REFILL_NICE = 19
 several CPU-seconds (torch, transformers, the recipe): at normal priority on a node whose cores the workers use they
 slowed the 2-3 steps after each recovery (goodput.py at 50M on 2 cores: steps of 2.6 s took 3.2-3.9 s); at nice 19
 they take the cores the workers leave idle (same benchmark at 50M, before/after, 2 rounds: 3-8 % more useful steps
-per second under faults; not shown at the tiny model, where the runs' fault-free pace differed more). A fault before
+per second under faults; not shown at the tiny model, where the runs' fault-free pace differed more). The imports
+also run under SCHED_IDLE (`warmstart.import_nicely`): at nice 19 alone the tiny model's steps still ran at half pace
+for each refill's imports, its worker waking once per collective behind the spare's slice. A fault before
 they finish: the spare is assigned anyway, back at normal priority, and finishes its imports then."""
 
 
