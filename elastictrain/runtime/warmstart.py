@@ -157,8 +157,9 @@ def import_nicely(nice: str) -> Callable[[], None]:
         os.setpriority(os.PRIO_PROCESS, main, min(19, base + int(nice)))
     except OSError:
         return nothing
-    policy = os.sched_getscheduler(main)
-    idle = policy == os.SCHED_OTHER and _can_leave_idle_policy()
+    # Linux only (os.SCHED_IDLE): elsewhere the probe says no and nice alone applies.
+    idle = _can_leave_idle_policy() and os.sched_getscheduler(main) == os.SCHED_OTHER
+    policy = os.SCHED_OTHER if idle else None
     if idle:
         try:
             os.sched_setscheduler(main, os.SCHED_IDLE, os.sched_param(0))
