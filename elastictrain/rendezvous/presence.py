@@ -163,22 +163,24 @@ class PresenceLink:
             return
         self._connected(node, addr, conn, code, probe)
 
-    def _connect_done(self, node: str) -> None:
+    def _take_connect(self, node: str) -> tuple[socket.socket, Address, bool]:
+        """A connect under way, no longer waited for: (socket, address, whether it probes)."""
         conn, addr, _, probe = self._connecting.pop(node)
         self._selector.unregister(conn)
+        return conn, addr, probe
+
+    def _connect_done(self, node: str) -> None:
+        conn, addr, probe = self._take_connect(node)
         self._connected(node, addr, conn, conn.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), probe)
 
     def _expire_connects(self) -> None:
         now = time.monotonic()
         for node in [n for n, (_, _, deadline, _) in self._connecting.items() if now >= deadline]:
-            conn, addr, _, probe = self._connecting.pop(node)
-            self._selector.unregister(conn)
+            conn, addr, probe = self._take_connect(node)
             self._connected(node, addr, conn, errno.ETIMEDOUT, probe)
 
     def _abandon(self, node: str) -> None:
-        conn, _, _, _ = self._connecting.pop(node)
-        self._selector.unregister(conn)
-        conn.close()
+        self._take_connect(node)[0].close()
 
     def _connected(self, node: str, addr: Address, conn: socket.socket | None, code: int, probe: bool) -> None:
         """A connect's outcome (`code`: 0 or an errno). Held when accepted; a refused probe (a link that ended and

@@ -159,7 +159,6 @@ def import_nicely(nice: str) -> Callable[[], None]:
         return nothing
     # Linux only (os.SCHED_IDLE): elsewhere the probe says no and nice alone applies.
     idle = _can_leave_idle_policy() and os.sched_getscheduler(main) == os.SCHED_OTHER
-    policy = os.SCHED_OTHER if idle else None
     if idle:
         try:
             os.sched_setscheduler(main, os.SCHED_IDLE, os.sched_param(0))
@@ -174,7 +173,7 @@ def import_nicely(nice: str) -> Callable[[], None]:
         for tid in [main, *(int(t) for t in _tasks() if int(t) != main)]:
             try:
                 if idle and os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                    os.sched_setscheduler(tid, policy, os.sched_param(0))
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                 if os.getpriority(os.PRIO_PROCESS, tid) > base:
                     os.setpriority(os.PRIO_PROCESS, tid, base)
             except ProcessLookupError:  # a thread that ended meanwhile
@@ -201,46 +200,43 @@ def _tasks() -> list[str]:
 
 
 def _can_raise_priority_again() -> bool:
-    import threading
-
-    result: list[bool] = []
-
+    """Whether a thread of this process can lower its nice value and raise it back (root, CAP_SYS_NICE, RLIMIT_NICE)."""
     def probe() -> None:  # this thread's nice value only (who=0 is the calling thread on Linux)
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, base + 1)
-            os.setpriority(os.PRIO_PROCESS, 0, base)
-            result.append(True)
-        except OSError:
-            result.append(False)
+        os.setpriority(os.PRIO_PROCESS, 0, base + 1)
+        os.setpriority(os.PRIO_PROCESS, 0, base)
 
-    thread = threading.Thread(target=probe, name="nice-probe")
-    thread.start()
-    thread.join()
-    return bool(result and result[0])
+    return _in_throwaway_thread(probe, "nice-probe")
 
 
 def _can_leave_idle_policy() -> bool:
-    """Whether this process can put a thread under SCHED_IDLE and take it back to SCHED_OTHER (root, CAP_SYS_NICE,
-    or Linux >= 2.6.39 with RLIMIT_NICE allowing the nice value), tried in a throwaway thread."""
+    """Whether a thread of this process can go under SCHED_IDLE and back to SCHED_OTHER (Linux only; root,
+    CAP_SYS_NICE, or Linux >= 2.6.39 with RLIMIT_NICE allowing the nice value)."""
+    import threading
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+    return _in_throwaway_thread(probe, "idle-probe")
+
+
+def _in_throwaway_thread(probe: Callable[[], None], name: str) -> bool:
+    """Whether `probe` ran without error in a thread of its own (Linux keeps the nice value and the scheduling
+    policy per thread: whatever it changes and cannot undo ends with that thread)."""
     import threading
 
     result: list[bool] = []
 
-    def probe() -> None:
-        tid = threading.get_native_id()
+    def run() -> None:
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError):
-            result.append(False)
-            return
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            probe()
             result.append(True)
-        except OSError:
-            result.append(False)  # the thread ends here: the process keeps its policy
+        except (OSError, AttributeError):  # AttributeError: no os.SCHED_IDLE / sched_setscheduler here
+            result.append(False)
 
-    thread = threading.Thread(target=probe, name="idle-probe")
+    thread = threading.Thread(target=run, name=name)
     thread.start()
     thread.join()
     return bool(result and result[0])

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from elastictrain.runtime.warmstart import ENV_WARM_DIR, Target, assigned_rank, parse_command, rank_file
+from elastictrain.runtime.warmstart import (
+    ENV_WARM_DIR,
+    Target,
+    _can_raise_priority_again,
+    assigned_rank,
+    parse_command,
+    rank_file,
+)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -165,3 +174,24 @@ def test_a_spare_that_could_not_raise_its_priority_again_imports_at_normal_prior
     restore()
     warmstart.import_nicely("")  # not a refill: nothing asked
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+@pytest.mark.skipif(not _can_raise_priority_again(), reason="needs CAP_SYS_NICE or RLIMIT_NICE (else: normal priority)")
+def test_a_spare_that_could_not_leave_the_idle_policy_again_imports_at_nice_19_only() -> None:
+    """Where SCHED_IDLE could not be undone (not Linux, or the kernel refuses), a refill keeps its normal policy and
+    is niced only; assigned, its priority is back."""
+    code = ("import os, sys\n"
+            "from elastictrain.runtime import warmstart as w\n"
+            "w._can_leave_idle_policy = lambda: False\n"
+            "base = os.getpriority(os.PRIO_PROCESS, 0)\n"
+            "restore = w.import_nicely('19')\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0) - base, os.sched_getscheduler(0), flush=True)\n"
+            "restore()\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0) - base, os.sched_getscheduler(0), flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    importing = proc.stdout.readline().split()  # stdin stays open until then: no assignment yet
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert int(importing[1]) == os.SCHED_OTHER and int(importing[0]) > 0, importing
+    assert rest.split() == ["0", str(os.SCHED_OTHER)], rest
