@@ -260,8 +260,11 @@ def receive_slot(read_into: Callable[[memoryview], int], rank_dir: Path, slot: i
         except OSError as e:
             raise SnapshotReplicaError(f"no room for a {nbytes}-byte snapshot in {rank_dir}: {e}") from None
         if nbytes:
-            # Received straight into the file's pages, summed while they are in cache: one copy of the bytes.
-            with mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapped, \
+            # Received straight into the file's pages, summed while they are in cache: one copy of the bytes. Not
+            # MAP_POPULATE: CPython maps holding the GIL, and populating a GB of pages held every other thread of the
+            # agent (the etcd lease's keep-alive among them) for 0.4 s idle, 2.4 s while a node started (its lease
+            # lapsed: a restart of every worker). The pages now fault in inside the socket reads, outside the GIL.
+            with mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED) as mapped, \
                     memoryview(mapped) as pages:
                 for at in range(0, nbytes, CHUNK_BYTES):
                     with pages[at:at + CHUNK_BYTES] as view:
