@@ -44,7 +44,7 @@ from elastictrain.agent.shrink import adopt_grows, adopt_shrinks, finished, join
 from elastictrain.agent.spares import WarmPool
 from elastictrain.agent.warm import WarmContext, torch_starts_workers_with
 from elastictrain.errors import AgentError
-from elastictrain.rendezvous.shrink import ENV_ROUND
+from elastictrain.rendezvous.shrink import ENV_ROUND, World
 from elastictrain.runtime.exitcodes import EXIT_FATAL, EXIT_NO_IN_PLACE, EXIT_REFORM
 from elastictrain.runtime.heartbeat import (
     ENV_AGENT_PID,
@@ -487,10 +487,23 @@ class ElasticAgent(LocalElasticAgent):
         if not failures or len(failures) >= world or any(
                 f.exitcode in (EXIT_FATAL, EXIT_REFORM, EXIT_NO_IN_PLACE) for f in failures.values()):
             return False
-        if self._grow_not_formed(worker_group):
-            return False
         try:
-            generation = next_generation(self.in_place_store)
+            grow = self._pending_grow(worker_group)
+        except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
+            log.warning("could not read whether a grow is pending (%s); restarting every worker", e)
+            return False
+        if grow is not None:
+            # The grow's new workers wait in its generation's group, which a newer generation would never form (a
+            # 1:2 job whose only survivor failed stalled there until the next fault). So the replacement joins that
+            # generation instead: the survivors (paused: their collectives with it failed) go to it as the newest,
+            # the new workers were waiting for it, and all restore from the snapshots, not from anyone's live state.
+            self._rank_env = renumber(worker_group, self._round_ranks, grow)
+            if any(lr not in self._rank_env for lr in failures):
+                log.warning("a worker failed while the round's grow (generation %d) has not re-formed, and its place "
+                            "in the grown world is not known; restarting every worker", grow.generation)
+                return False
+        try:
+            generation = grow.generation if grow is not None else next_generation(self.in_place_store)
             pids = {lr: ctx.replace(lr, {ENV_GENERATION: str(generation), **self._rank_env.get(lr, {})})
                     for lr in sorted(failures)}
         except Exception as e:  # noqa: BLE001 - etcd down, no process could start: the full restart may still work
@@ -504,33 +517,30 @@ class ElasticAgent(LocalElasticAgent):
             worker_group.workers[lr].id = pid
             self._health.workers[lr] = WorkerHealth(local_rank=lr, pid=pid, started=now)
         ranks = sorted(worker_group.workers[lr].global_rank for lr in pids)
-        log.warning("replacing rank(s) %s in place (generation %d); the other workers wait with their state",
-                    ", ".join(map(str, ranks)), generation)
+        if grow is None:
+            log.warning("replacing rank(s) %s in place (generation %d); the other workers wait with their state",
+                        ", ".join(map(str, ranks)), generation)
+        else:
+            log.warning("replacing rank(s) %s in place into the round's pending grow (generation %d, a world of %d): "
+                        "the new node's workers and the survivors form it with the replacement",
+                        ", ".join(map(str, ranks)), generation, grow.size)
         self._emit("restart", reason="failure", in_place=True, step_reached=self._step_reached(),
-                   generation=generation, replaced_ranks=ranks,
+                   generation=generation, replaced_ranks=ranks, **({"into_grow": True} if grow is not None else {}),
                    pids={lr: pid for lr, pid in pids.items()}, remaining_restarts=self._remaining_restarts,
                    backoff_s=0.0)
         worker_group.state = WorkerState.HEALTHY
         return True
 
-    def _grow_not_formed(self, worker_group: WorkerGroup) -> bool:
-        """A grow of the round is recorded but its survivors have not re-formed with the new workers yet: those hold
-        no state, and wait in the grow's generation for a group that a replacement's newer generation would never
-        form (a 1:2 job whose only survivor failed then stalled until the next fault). Every worker is restarted."""
+    def _pending_grow(self, worker_group: WorkerGroup) -> World | None:
+        """The round's grow when it is recorded but has not formed yet (its new workers wait in its generation's
+        group, not yet joined by the survivors); else None. Raises when etcd cannot tell."""
         world_of = getattr(worker_group.spec.rdzv_handler, "world", None)
         if world_of is None:  # not our etcd rendezvous: no in-place shrink or grow
-            return False
-        try:
-            world = world_of()
-            pending = world is not None and bool(world.joined) and not formed(self.in_place_store, world.generation)
-        except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
-            log.warning("could not read whether a grow is pending (%s); restarting every worker", e)
-            return True
-        if pending:
-            log.warning("a worker failed while the round's grow (generation %d) has not re-formed: only the "
-                        "survivors hold state and the new workers wait for that grow; restarting every worker",
-                        world.generation)
-        return pending
+            return None
+        world = world_of()
+        if world is None or not world.joined or formed(self.in_place_store, world.generation):
+            return None
+        return world
 
     def _adopt_world_changes(self, worker_group: WorkerGroup) -> None:
         """The round dropped a lost node, or took one's place back, in place (its handler says so): this node's

@@ -106,8 +106,10 @@ def generations_store(client: Any, run_prefix: str) -> dist.Store:
 
 FORMED = "formed"
 """Under the run's generations store: `formed/<generation>`, written once the survivors of a grow re-formed the bigger
-world of that generation with its new workers. Until then only the survivors hold state: an agent replacing a failed
-worker then restarts every worker instead (agent.py `_replace_in_place`)."""
+world of that generation with its new workers (or, when its only survivor failed first, once its replacement formed
+it: steps_inplace.py `_record_formed_without_survivors`). Until then the grow's new workers wait in that generation's
+group: an agent replacing a failed worker starts the replacement in that generation, not a newer one (agent.py
+`_replace_in_place`)."""
 
 
 def record_formed(store: dist.Store, generation: int) -> None:

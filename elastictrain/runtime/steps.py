@@ -254,7 +254,9 @@ class StepLoop(InPlaceLoop):
             self._agree_generation(w.in_place)
             if self._stuck is None and self._guarded_loop():
                 self._stuck = StuckWatch(w.in_place, pausing=lambda: self._pausing, grace=self._stuck_grace).start()
-        self._verify_consistent_start(in_place=recovering)
+        survived = self._verify_consistent_start(in_place=recovering)
+        if w.in_place is not None and not survived and w.rank == 0:
+            self._record_formed_without_survivors(w.in_place)
         self.start_step = st.step
         if self._audit_dir is not None:
             # Identifies this launch in the ledger; newer launches (after a restart) supersede older ones.
@@ -266,18 +268,18 @@ class StepLoop(InPlaceLoop):
         w.heartbeat.beat(st.step, "train")
         self._released, self._first_forward = time.monotonic(), 0.0
 
-    def _verify_consistent_start(self, in_place: bool = False) -> None:
+    def _verify_consistent_start(self, in_place: bool = False) -> bool:
         """Fail loudly unless every rank starts from the same step, data position, fingerprint and checkpoint.
 
         ``in_place``: this rank resumes in place (a survivor, not a replacement). The lowest such rank reports the
         recovery (`reporter`): rank 0 when it survived, else another survivor, since a replaced rank 0 knows neither
-        the pause nor the old generation."""
+        the pause nor the old generation. Returns whether any rank of the group survived so."""
         w, st = self.worker, self.state
         mine = (st.step, [s.samples_consumed for s in st.samplers], sorted(self._fingerprint.items()),
                 self.resumed_from)
         self.reporter = 0
         if w.world_size == 1:
-            return
+            return in_place
         gathered: list[Any] = [None] * w.world_size
         dist.all_gather_object(gathered, (mine, in_place))
         views = [g[0] for g in gathered]
@@ -286,6 +288,7 @@ class StepLoop(InPlaceLoop):
             detail = "; ".join(f"rank {r}: step {v[0]}, samples {v[1]}, checkpoint {v[3]}" for r, v in enumerate(views))
             raise CheckpointError(f"ranks disagree on the starting state after (re)load: {detail}. Check that "
                                   f"every node runs the same script, config and checkpoint URL")
+        return any(g[1] for g in gathered)
 
     def _end_step(self, t0: float) -> bool:
         """Close the step the user just ran; True when the loop must end (a stop agreed by every rank)."""

@@ -83,6 +83,21 @@ class InPlaceLoop:
         log.info("model, optimizer and scheduler built again on the new mesh in %.2fs (the old ones collected in "
                  "%.2fs)", self._pause_parts["model"], collected)
 
+    def _record_formed_without_survivors(self, in_place: InPlace) -> None:
+        """Rank 0 of a group that no rank survived into: when it is a grow's world (its only survivor failed while the
+        grow was pending, and the agent replaced it into that grow's generation), record the grow formed, as a
+        survivor re-forming it would: a failure from now on is replaced in place, not by a restart of every worker."""
+        generation = in_place.generation
+        if generation is None:
+            return
+        try:
+            world = in_place.world_at(generation)
+            if world is not None and world.joined and world.generation == generation:
+                record_formed(in_place.store, generation)
+                log.info("the grow of generation %d formed with the replacement of its only survivor", generation)
+        except Exception as e:  # noqa: BLE001 - etcd blinked: a failure meanwhile restarts every worker
+            log.warning("could not record that generation %d formed: %s", generation, e)
+
     def _agree_generation(self, in_place: InPlace) -> None:
         """Every rank runs in rank 0's generation: the one it joined or rebuilt, or on a first start the counter's."""
         gen = torch.tensor([in_place.generation if in_place.generation is not None else

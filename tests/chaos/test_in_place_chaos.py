@@ -395,34 +395,44 @@ def _assert_complete_once(job: Job, saved: set[int]) -> None:
     assert not saved - job.valid_checkpoints(), "committed checkpoints were lost"
 
 
-def test_the_only_survivor_failing_while_a_grow_is_pending_restarts_every_worker(tmp_path, etcd, run_id):
+def test_the_only_survivor_failing_while_a_grow_is_pending_is_replaced_into_that_grow_in_place(tmp_path, etcd, run_id):
     """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its worker
     is not ready yet (SIGSTOPped here; a 50M model's build in goodput.py's schedule) when a's worker, the only one
-    holding state, is SIGKILLed. Replacing it in place joined a newer generation that b's worker, waiting in the
-    grow's, never joins: the job stalled until the next fault. Now a's agent restarts every worker (b's agent kills
-    its workers at once: they hold no state): a new round of both nodes resumes from a's snapshots, and the job ends
-    complete and exactly-once."""
+    holding state, is SIGKILLed. A replacement in a newer generation stalled (b's worker waits in the grow's), and the
+    restart of every worker that followed cost goodput.py's 50M job 7.2 s. Now a's agent starts the replacement in
+    the grow's own generation: once b's worker goes on, the two form the world of 2 from a's snapshots, b's worker
+    keeps its process, the grow is recorded formed (a later failure is replaced in place again), and the job ends
+    complete, exactly-once, at world 2 from the step restored."""
     job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
     try:
         a, b, saved = _start_with_a_slow_survivor(job)
         _lose_for_good(job, b)
         b = job.start_node("b")
-        stopped = list(job.wait_workers(b).values())
-        for pid in stopped:  # before they import torch, long before they are ready
+        waiting = list(job.wait_workers(b).values())
+        for pid in waiting:  # before they import torch, long before they are ready
             os.kill(pid, signal.SIGSTOP)
-        _wait_for_event(job, lambda e: e.kind == "grow" and e.fields["agent_pid"] == a.pid)  # a knows of it
+        evs = _wait_for_event(job, lambda e: e.kind == "grow" and e.fields["agent_pid"] == a.pid)  # a knows of it
+        (grow,) = [e for e in evs if e.kind == "grow" and e.fields["agent_pid"] == a.pid]
         signal_worker(a.pid, signal.SIGKILL)
+        _wait_for_event(job, lambda e: e.kind == "restart" and e.fields.get("into_grow"))
+        for pid in waiting:
+            os.kill(pid, signal.SIGCONT)
         assert job.wait([a, b], timeout=180) == [0, 0], job.logs()
         evs = events(job)
         dump = _dump(evs)
         restarts = [e for e in evs if e.kind == "restart"]
-        assert restarts and not any(e.fields.get("in_place") for e in restarts), \
-            f"the failed survivor was replaced in place while the grow was pending\n{dump}"
-        assert "restarting every worker" in (job.out / "agent-a.log").read_text(errors="replace")
-        # b's workers, waiting for the grow, hold no state: stopped at once (in goodput.py, ready ones waiting in the
-        # grow's group ignored the SIGTERM for torch's 30 s, and the new round waited for them)
-        assert "had not joined the grow they were started for" in b.log(), b.log()[-3000:]
-        _assert_complete_once(job, saved)
+        assert [(e.fields["agent_pid"], e.fields.get("in_place"), e.fields["generation"], e.fields["replaced_ranks"])
+                for e in restarts] == [(a.pid, True, grow.fields["generation"], [0])], \
+            f"not one in-place replacement of a's rank into the grow's generation\n{dump}"
+        assert "restarting every worker" not in (job.out / "agent-a.log").read_text(errors="replace")
+        assert "had not joined the grow they were started for" not in b.log(), "b's waiting workers were stopped"
+        assert "formed with the replacement of its only survivor" in (job.out / "agent-a.log").read_text(
+            errors="replace"), "the grow was not recorded formed: a later failure would restart every worker"
+        shrunk_at = next(e.fields["step"] for e in evs if e.kind == "in_place_resumed")
+        loaded = [e for e in evs if e.kind in ("checkpoint_snapshot_loaded", "checkpoint_loaded")]
+        grew_at = loaded[-1].fields["step"]  # the replacement's group, restored from a's snapshots
+        assert loaded[-1].fields.get("resharded_from") == 1, dump
+        assert_recovered(job, saved, {s: 2 if s < shrunk_at or s >= grew_at else 1 for s in range(STEPS)})
     finally:
         job.teardown()
 
