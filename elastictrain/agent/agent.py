@@ -55,7 +55,7 @@ from elastictrain.runtime.heartbeat import (
     decode,
     section_phase,
 )
-from elastictrain.runtime.inplace import ENV_GENERATION, formed, next_generation
+from elastictrain.runtime.inplace import ENV_GENERATION, entered, formed, next_generation
 
 log = logging.getLogger(__name__)
 
@@ -497,6 +497,16 @@ class ElasticAgent(LocalElasticAgent):
             # 1:2 job whose only survivor failed stalled there until the next fault). So the replacement joins that
             # generation instead: the survivors (paused: their collectives with it failed) go to it as the newest,
             # the new workers were waiting for it, and all restore from the snapshots, not from anyone's live state.
+            # Not once anyone entered that group: it may exist without the failed rank (`ENTERED`).
+            try:
+                began = entered(self.in_place_store, grow.generation)
+            except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
+                log.warning("could not read whether the grow's group is entered (%s); restarting every worker", e)
+                return False
+            if began:
+                log.warning("a worker failed while the round's grow (generation %d) re-forms: its group may exist "
+                            "without it; restarting every worker", grow.generation)
+                return False
             self._rank_env = renumber(worker_group, self._round_ranks, grow)
             if any(lr not in self._rank_env for lr in failures):
                 log.warning("a worker failed while the round's grow (generation %d) has not re-formed, and its place "

@@ -120,6 +120,22 @@ def formed(store: dist.Store, generation: int) -> bool:
     return bool(store.check([f"{FORMED}/{generation}"]))
 
 
+ENTERED = "entered"
+"""Under the run's generations store: `entered/<generation>`, written by a survivor before it enters a grow's group
+(`Worker.rebuild_group`) and by a new or replacement worker once that group formed (`Session.join`). A failure while
+the grow has not formed is replaced into the grow's generation only while no one entered it: after that, that group
+may exist without the failed rank, and a replacement joining it would find stale peers (seen in goodput.py at 50M: the
+only survivor killed 2 s into the grow's restore, its replacement stalled 31.7 s); every worker is restarted then."""
+
+
+def record_entered(store: dist.Store, generation: int) -> None:
+    store.set(f"{ENTERED}/{generation}", b"1")
+
+
+def entered(store: dist.Store, generation: int) -> bool:
+    return bool(store.check([f"{ENTERED}/{generation}"]))
+
+
 def current_generation(store: dist.Store) -> int:
     return int(store.add("gen", 0))
 
@@ -250,6 +266,16 @@ class InPlace:
         before they stop training to re-form with it (`StuckWatch`)."""
         self.store  # noqa: B018 - connects
         self._client.put(f"{self._prefix}/g{generation}/{READY}/{self.rank}", b"1")
+
+    def mark_entered(self, generation: int) -> None:
+        """This worker enters (a survivor) or formed (a new worker) generation `generation`'s group: from now on a
+        failure before the grow is recorded formed restarts every worker (`ENTERED`). Raises `InPlaceFailed` when
+        etcd cannot take it (the agents could otherwise replace a rank into a group that exists without it)."""
+        try:
+            record_entered(self.store, generation)
+        except Exception as e:  # noqa: BLE001 - etcd errors come in several types
+            raise InPlaceFailed(f"could not record in etcd that generation {generation}'s group is entered ({e}); "
+                                f"restarting every worker instead") from e
 
     def wait_next(self, beat: Callable[[], None], stop: Callable[[], bool]) -> int:
         """Wait until the agent of the failed rank started a newer generation than ours; its number.

@@ -132,6 +132,7 @@ class Session:
         self.in_place.mark_ready(generation)
         dist.destroy_process_group()
         self._init_generation(generation, keep_mesh=True)
+        self.in_place.mark_entered(generation)
         return True
 
     def rebuild(self, generation: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:

@@ -217,6 +217,8 @@ class Worker:
                 what = "grew" if world.joined and size > self.world_size else "shrank"
                 raise WorldShrank(f"the world {what} in place to {size} ranks, but the script gave Worker.steps no "
                                   f"`rebuild` to build its model on the new mesh; re-forming in a new round instead")
+        if world is not None and world.joined and world.generation == generation:
+            in_place.mark_entered(generation)  # a grow's group: a failure from now on restarts every worker
         before = self.world_size
         if session.rebuild(generation, rank, size):
             assert self.loop is not None

@@ -437,6 +437,32 @@ def test_the_only_survivor_failing_while_a_grow_is_pending_is_replaced_into_that
         job.teardown()
 
 
+def test_the_only_survivor_failing_after_it_entered_the_grows_group_restarts_every_worker(tmp_path, etcd, run_id):
+    """As above, but b's worker is ready and a's worker has stopped to re-form the grow when it is SIGKILLed: the
+    grow's group may already exist without it (seen in goodput.py at 50M: killed 2 s into the grow's restore, a
+    replacement started into that generation found stale peers and stalled 31.7 s). a's agent must not replace it into
+    the grow's generation then: every worker restarts (or, once the grow is recorded formed, a replacement goes into
+    a newer generation); the job ends complete and exactly-once, no committed checkpoint lost."""
+    job = Job(tmp_path, etcd.endpoint, run_id, extra_overrides=(*SNAPSHOTS, "elastic.in_place=true"))
+    try:
+        a, b, saved = _start_with_a_slow_survivor(job)
+        _lose_for_good(job, b)
+        b = job.start_node("b")
+        deadline = time.monotonic() + 120
+        while "re-forming a bigger world in place" not in (job.out / "agent-a.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, job.logs()
+            time.sleep(0.05)
+        signal_worker(a.pid, signal.SIGKILL)
+        assert job.wait([a, b], timeout=180) == [0, 0], job.logs()
+        evs = events(job)
+        dump = _dump(evs)
+        assert not [e for e in evs if e.kind == "restart" and e.fields.get("into_grow")], \
+            f"a's worker was replaced into a grow it had already entered\n{dump}"
+        _assert_complete_once(job, saved)
+    finally:
+        job.teardown()
+
+
 def test_the_job_finishing_before_a_pending_grow_re_forms_ends_every_node(tmp_path, etcd, run_id):
     """Node b lost for good (a goes on alone in place), then b started again: it takes b's place back, but its workers
     are not ready before a finishes the job (here they are SIGSTOPped before they can be). a's agent waits in the exit
