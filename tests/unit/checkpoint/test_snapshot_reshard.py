@@ -126,19 +126,26 @@ def test_a_snapshot_in_flight_is_served_from_the_live_state_as_its_committed_slo
         assert torch.equal(live.slot[off:off + size], whole[off:off + size])
 
 
-def test_a_restore_at_another_world_size_loads_an_old_ranks_live_snapshot_and_no_one_else_reads_it(tmp_path,
-                                                                                                  monkeypatch):
+def _served_live(root, identity: dict, monkeypatch):
+    """A 2-rank group's snapshot of step 2 under `root`: old rank 1's as a replica from node b, old rank 0's served
+    from the live state (its copy cancelled, as at a grow). Returns the trained state and the live snapshot."""
     state, model, optim = _state(0)
     for _ in range(2):
         _train(state, model, optim)
-    SnapshotStore(tmp_path / REPLICAS_DIR / "b", 1, TWO).save(2, state.checkpoint_state(0))  # old rank 1, replicated
+    SnapshotStore(root / REPLICAS_DIR / "b", 1, identity).save(2, state.checkpoint_state(0))  # old rank 1, replicated
     go = _held_copy(monkeypatch)
-    own = SnapshotStore(tmp_path, 0, TWO)
+    own = SnapshotStore(root, 0, identity)
     own.save(2, state.checkpoint_state(0), later=_deferred(optim))
     live = own.live(cancel=True)
     go.set()
     own.wait()
-    assert live is not None
+    assert live is not None and not own.available()[0], "the cancelled copy committed nothing"
+    return state, live
+
+
+def test_a_restore_at_another_world_size_loads_an_old_ranks_live_snapshot_and_no_one_else_reads_it(tmp_path,
+                                                                                                  monkeypatch):
+    state, live = _served_live(tmp_path, TWO, monkeypatch)
     holding = Holding(node_name(tmp_path), "rank0", 0, 2, live.info, live=True)
     candidate, _ = newest_complete(scan(tmp_path, JOB) + [holding], world_size=1)
     assert candidate is not None and candidate.step == 2 and candidate.holders[0] == (holding,)
@@ -207,19 +214,8 @@ def test_a_group_restored_from_the_live_state_snapshots_that_step_at_once_in_its
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     cfg = CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0)
-    before = {"run": "r1", "fingerprint": {"model": "abc"}, "world_size": 2, "url": cfg.url}
-    state, model, optim = _state(0)
-    for _ in range(2):
-        _train(state, model, optim)
-    SnapshotStore(root / REPLICAS_DIR / "b", 1, before).save(2, state.checkpoint_state(0))  # old rank 1, replicated
-    go = _held_copy(monkeypatch)
-    own = SnapshotStore(root, 0, before)
-    own.save(2, state.checkpoint_state(0), later=_deferred(optim))
-    live = own.live(cancel=True)
-    go.set()
-    own.wait()
-    assert live is not None and not own.available()[0], "the cancelled copy committed nothing"
-
+    state, live = _served_live(root, {"run": "r1", "fingerprint": {"model": "abc"}, "world_size": 2, "url": cfg.url},
+                               monkeypatch)
     fresh, _, _ = _state(9)
     ckpt = StateCheckpointer(cfg, fresh, Heartbeat(None), rank=0, world_size=1, fingerprint={"model": "abc"})
     try:
