@@ -112,8 +112,6 @@ class StateCheckpointer:
         self.live: Optional[LiveSnapshot] = None
         """A grow in place: the snapshot the group before took at the boundary, its copy cancelled, served from
         the live state (`hand_over(live=True)`); the next `restore` offers it, then drops it."""
-        self._read_live = False
-        """The last restore read a slot from the live state of the group before (on every rank alike)."""
         self._local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         """The workers on this node (a grow serves a snapshot from the live state only where it is the one)."""
         root = os.environ.get(ENV_SNAPSHOT_DIR)
@@ -157,13 +155,6 @@ class StateCheckpointer:
         if resumed is not None:
             self._fresh = False
             self._prepare_snapshots()
-            if self._read_live:
-                self._read_live = False
-                # The group before's snapshot of this step was served from its live state, its copy cancelled
-                # (`hand_over`): no slot holds it, so a failure in the next step would go back a step further (seen
-                # in goodput.py at 50M: a worker kill in the first step after each grow, 4.1-4.7 s recomputed).
-                # This step's snapshot is taken now, in the new layout, its copy overlapping the next step.
-                self._snapshot(resumed.step)
             return resumed
         loaded = self.mgr.load_latest(self.state.checkpoint_state(self.rank, for_load=True))
         if loaded is None:
@@ -308,7 +299,6 @@ class StateCheckpointer:
             return None
         fetched = [node for _, nodes, *_ in outcomes for node in nodes]
         fetched_bytes, received, in_place, live = (sum(o[i] for o in outcomes) for i in (2, 3, 4, 6))
-        self._read_live = live > 0
         ended = time.monotonic()
         seconds = ended - started
         parts = {"plan_s": round(planned - started, 3), "obtain_s": round(obtained - planned, 3),

@@ -197,38 +197,3 @@ def test_a_grow_takes_the_boundarys_snapshot_live_only_where_no_other_worker_of_
         assert live is not None and live.info.step == 2 and steps == [1], "its copy cancelled: nothing committed"
     else:
         assert live is None and steps == [2, 1]
-
-
-def test_a_group_restored_from_the_live_state_snapshots_that_step_at_once_in_its_own_layout(tmp_path, monkeypatch):
-    """After a grow the boundary's snapshot was served from the group before's live state, its copy cancelled: no
-    slot holds that step. The new group snapshots it as soon as it restored (the copy overlapping the next step), so a
-    failure in that step resumes from it instead of a step further back (goodput.py at 50M: a worker kill in the
-    first step after each grow recomputed a whole step, 4.1-4.7 s). Here the group before was 2 ranks (rank 1's slot a
-    replica on this node), the new one 1 rank: it holds the step's snapshot at its own world size once restored."""
-    from elastictrain.config import CheckpointConfig
-    from elastictrain.runtime.checkpointing import StateCheckpointer
-    from elastictrain.runtime.heartbeat import Heartbeat
-
-    root = tmp_path / "shm"
-    monkeypatch.setenv("ELASTICTRAIN_SNAPSHOT_DIR", str(root))
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    cfg = CheckpointConfig(url=str(tmp_path / "ck"), snapshot_every_steps=1, storage_wait_s=0)
-    state, live = _served_live(root, {"run": "r1", "fingerprint": {"model": "abc"}, "world_size": 2, "url": cfg.url},
-                               monkeypatch)
-    fresh, _, _ = _state(9)
-    ckpt = StateCheckpointer(cfg, fresh, Heartbeat(None), rank=0, world_size=1, fingerprint={"model": "abc"})
-    try:
-        ckpt.live = live
-        resumed = ckpt.restore()
-        assert resumed is not None and resumed.step == 2 and _same(fresh, state)
-        ckpt._finish_snapshot()  # the copy overlapping the next step, waited for by its optimizer step
-        held = ckpt.snapshots.available()[0]
-        assert [(i.step, i.identity["world_size"]) for i in held] == [(2, 1)], \
-            "the restored step is not held at the new world size: a failure now would go back a step further"
-        again, _, _ = _state(5)
-        other = SnapshotStore(root, 0, ckpt.snapshots.identity)
-        other.restore(held[0], again.checkpoint_state(0, for_load=True))
-        assert _same(again, state), "the new snapshot is not the restored state"
-    finally:
-        ckpt.close()
