@@ -489,6 +489,7 @@ class ElasticAgent(LocalElasticAgent):
             return False
         try:
             grow = self._pending_grow(worker_group)
+            began = grow is not None and entered(self.in_place_store, grow.generation)
         except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
             log.warning("could not read whether a grow is pending (%s); restarting every worker", e)
             return False
@@ -498,11 +499,6 @@ class ElasticAgent(LocalElasticAgent):
             # generation instead: the survivors (paused: their collectives with it failed) go to it as the newest,
             # the new workers were waiting for it, and all restore from the snapshots, not from anyone's live state.
             # Not once anyone entered that group: it may exist without the failed rank (`ENTERED`).
-            try:
-                began = entered(self.in_place_store, grow.generation)
-            except Exception as e:  # noqa: BLE001 - etcd unreachable: the replacement would not start either
-                log.warning("could not read whether the grow's group is entered (%s); restarting every worker", e)
-                return False
             if began:
                 log.warning("a worker failed while the round's grow (generation %d) re-forms: its group may exist "
                             "without it; restarting every worker", grow.generation)

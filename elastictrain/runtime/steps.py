@@ -255,7 +255,7 @@ class StepLoop(InPlaceLoop):
             if self._stuck is None and self._guarded_loop():
                 self._stuck = StuckWatch(w.in_place, pausing=lambda: self._pausing, grace=self._stuck_grace).start()
         survived = self._verify_consistent_start(in_place=recovering)
-        if w.in_place is not None and not survived and w.rank == 0:
+        if w.in_place is not None and w.in_place.replacement and not survived and w.rank == 0:
             self._record_formed_without_survivors(w.in_place)
         self.start_step = st.step
         if self._audit_dir is not None:
